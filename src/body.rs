@@ -1,0 +1,310 @@
+//! Request bodies as rules see them: JSON, or forms in Stripe's bracket notation.
+//!
+//! A form `metadata[order_id]=7&items[0][id]=a` reads as the JSON
+//! `{"metadata": {"order_id": "7"}, "items": [{"id": "a"}]}`, so one [`BodyPath`] language
+//! (`body.metadata.order_id`, `body.items[*].id`) serves both.
+
+use http::HeaderMap;
+use serde_json::{Map, Value};
+use std::fmt;
+
+/// How a body is read, from its `Content-Type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BodyKind {
+    Json,
+    Form,
+    /// Anything else: only its raw bytes matter (fingerprint).
+    Raw,
+}
+
+impl BodyKind {
+    pub fn of(headers: &HeaderMap) -> BodyKind {
+        let Some(ct) = headers
+            .get(http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+        else {
+            return BodyKind::Raw;
+        };
+        let mime = ct
+            .split(';')
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_ascii_lowercase();
+        if mime == "application/json" || mime.ends_with("+json") {
+            BodyKind::Json
+        } else if mime == "application/x-www-form-urlencoded" {
+            BodyKind::Form
+        } else {
+            BodyKind::Raw
+        }
+    }
+}
+
+/// One step of a body path.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Step {
+    Key(String),
+    Index(usize),
+    /// `[*]`: every element of an array.
+    All,
+}
+
+/// A path into a body: `a.b`, `items[*].id`, `items[0]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BodyPath(pub Vec<Step>);
+
+impl BodyPath {
+    pub fn parse(s: &str) -> Result<BodyPath, String> {
+        let mut steps = Vec::new();
+        for seg in s.split('.') {
+            let (name, mut rest) = match seg.find('[') {
+                Some(i) => (&seg[..i], &seg[i..]),
+                None => (seg, ""),
+            };
+            if name.is_empty() && (steps.is_empty() || rest.is_empty()) {
+                return Err(format!("body path {s:?} has an empty segment"));
+            }
+            if !name.is_empty() {
+                steps.push(Step::Key(name.to_owned()));
+            }
+            while !rest.is_empty() {
+                let close = rest
+                    .find(']')
+                    .filter(|_| rest.starts_with('['))
+                    .ok_or_else(|| format!("body path {s:?}: bad [...]"))?;
+                let idx = &rest[1..close];
+                steps.push(if idx == "*" {
+                    Step::All
+                } else {
+                    Step::Index(
+                        idx.parse().map_err(|_| {
+                            format!("body path {s:?}: [{idx}] is not an index or *")
+                        })?,
+                    )
+                });
+                rest = &rest[close + 1..];
+            }
+        }
+        Ok(BodyPath(steps))
+    }
+
+    /// Every value the path reaches.
+    pub fn values<'v>(&self, root: &'v Value) -> Vec<&'v Value> {
+        let mut cur = vec![root];
+        for step in &self.0 {
+            cur = cur
+                .into_iter()
+                .flat_map(|v| -> Vec<&Value> {
+                    match (step, v) {
+                        (Step::Key(k), Value::Object(m)) => m.get(k).into_iter().collect(),
+                        (Step::Index(i), Value::Array(a)) => a.get(*i).into_iter().collect(),
+                        (Step::All, Value::Array(a)) => a.iter().collect(),
+                        _ => Vec::new(),
+                    }
+                })
+                .collect();
+        }
+        cur
+    }
+
+    /// The values as template strings; `null` counts as missing.
+    pub fn strings(&self, root: &Value) -> Vec<String> {
+        self.values(root)
+            .into_iter()
+            .filter_map(|v| match v {
+                Value::Null => None,
+                Value::String(s) => Some(s.clone()),
+                other => Some(other.to_string()),
+            })
+            .collect()
+    }
+
+    /// Removes what the path reaches (for `fingerprint.ignore`).
+    pub fn remove(&self, root: &mut Value) {
+        remove_at(root, &self.0);
+    }
+}
+
+fn remove_at(v: &mut Value, steps: &[Step]) {
+    let Some((first, rest)) = steps.split_first() else {
+        return;
+    };
+    match (first, v) {
+        (Step::Key(k), Value::Object(m)) if rest.is_empty() => {
+            m.remove(k);
+        }
+        (Step::Key(k), Value::Object(m)) => {
+            if let Some(child) = m.get_mut(k) {
+                remove_at(child, rest);
+            }
+        }
+        (Step::Index(i), Value::Array(a)) if rest.is_empty() && *i < a.len() => {
+            a[*i] = Value::Null;
+        }
+        (Step::Index(i), Value::Array(a)) => {
+            if let Some(child) = a.get_mut(*i) {
+                remove_at(child, rest);
+            }
+        }
+        (Step::All, Value::Array(a)) if rest.is_empty() => a.clear(),
+        (Step::All, Value::Array(a)) => a.iter_mut().for_each(|c| remove_at(c, rest)),
+        _ => {}
+    }
+}
+
+impl fmt::Display for BodyPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, s) in self.0.iter().enumerate() {
+            match s {
+                Step::Key(k) if i == 0 => write!(f, "{k}")?,
+                Step::Key(k) => write!(f, ".{k}")?,
+                Step::Index(n) => write!(f, "[{n}]")?,
+                Step::All => write!(f, "[*]")?,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses a body of `kind`; `Ok(None)` for raw bodies, `Err` when it claims to be JSON or a
+/// form but is not.
+pub fn parse(kind: BodyKind, bytes: &[u8]) -> Result<Option<Value>, String> {
+    match kind {
+        BodyKind::Raw => Ok(None),
+        BodyKind::Json if bytes.iter().all(u8::is_ascii_whitespace) => Ok(Some(Value::Null)),
+        BodyKind::Json => serde_json::from_slice(bytes)
+            .map(Some)
+            .map_err(|e| format!("the body is not valid JSON: {e}")),
+        BodyKind::Form => parse_form(bytes).map(Some),
+    }
+}
+
+/// The name of a form field as a path: `metadata[order_id]` → `["metadata", "order_id"]`.
+pub fn form_name_steps(name: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let (head, mut rest) = match name.find('[') {
+        Some(i) if name.ends_with(']') => (&name[..i], &name[i..]),
+        _ => return vec![name.to_owned()],
+    };
+    out.push(head.to_owned());
+    while let Some(stripped) = rest.strip_prefix('[') {
+        let Some(end) = stripped.find(']') else { break };
+        out.push(stripped[..end].to_owned());
+        rest = &stripped[end + 1..];
+    }
+    out
+}
+
+fn parse_form(bytes: &[u8]) -> Result<Value, String> {
+    if std::str::from_utf8(bytes).is_err() {
+        return Err("the form body is not UTF-8".into());
+    }
+    let mut root = Value::Object(Map::new());
+    for (name, value) in form_urlencoded::parse(bytes) {
+        insert_form(
+            &mut root,
+            &form_name_steps(&name),
+            Value::String(value.into_owned()),
+        );
+    }
+    Ok(arrays_from_indices(root))
+}
+
+fn insert_form(node: &mut Value, steps: &[String], value: Value) {
+    let Some((first, rest)) = steps.split_first() else {
+        return;
+    };
+    if first.is_empty() {
+        // `expand[]=a`: append to an array.
+        if !node.is_array() {
+            *node = Value::Array(Vec::new());
+        }
+        if let Value::Array(a) = node {
+            if rest.is_empty() {
+                a.push(value);
+            } else {
+                a.push(Value::Object(Map::new()));
+                if let Some(last) = a.last_mut() {
+                    insert_form(last, rest, value);
+                }
+            }
+        }
+        return;
+    }
+    if !node.is_object() {
+        *node = Value::Object(Map::new());
+    }
+    if let Value::Object(m) = node {
+        if rest.is_empty() {
+            m.insert(first.clone(), value);
+        } else {
+            let child = m
+                .entry(first.clone())
+                .or_insert_with(|| Value::Object(Map::new()));
+            insert_form(child, rest, value);
+        }
+    }
+}
+
+/// Objects whose keys are all indices (`items[0]`, `items[1]`) become arrays in index order.
+fn arrays_from_indices(v: Value) -> Value {
+    match v {
+        Value::Object(m) => {
+            let all_idx = !m.is_empty() && m.keys().all(|k| k.parse::<usize>().is_ok());
+            let mut converted: Vec<(String, Value)> = m
+                .into_iter()
+                .map(|(k, v)| (k, arrays_from_indices(v)))
+                .collect();
+            if all_idx {
+                converted.sort_by_key(|(k, _)| k.parse::<usize>().unwrap_or(usize::MAX));
+                Value::Array(converted.into_iter().map(|(_, v)| v).collect())
+            } else {
+                Value::Object(converted.into_iter().collect())
+            }
+        }
+        Value::Array(a) => Value::Array(a.into_iter().map(arrays_from_indices).collect()),
+        other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn stripe_forms_read_as_json() {
+        let v = parse(
+            BodyKind::Form,
+            b"amount=100&customer=cus_1&metadata[order_id]=7&items[1][id]=b&items[0][id]=a&expand[]=x&expand[]=y",
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            v,
+            json!({"amount": "100", "customer": "cus_1", "metadata": {"order_id": "7"},
+                   "items": [{"id": "a"}, {"id": "b"}], "expand": ["x", "y"]})
+        );
+        let p = BodyPath::parse("items[*].id").unwrap();
+        assert_eq!(p.strings(&v), vec!["a", "b"]);
+        assert_eq!(p.to_string(), "items[*].id");
+    }
+
+    #[test]
+    fn paths_and_removal() {
+        let mut v = json!({"a": {"b": 1, "c": 2}, "l": [{"x": 1, "y": 2}]});
+        BodyPath::parse("a.b").unwrap().remove(&mut v);
+        BodyPath::parse("l[*].x").unwrap().remove(&mut v);
+        assert_eq!(v, json!({"a": {"c": 2}, "l": [{"y": 2}]}));
+        assert!(BodyPath::parse("a..b").is_err());
+        assert!(BodyPath::parse("a[x]").is_err());
+        assert_eq!(BodyPath::parse("l[0].y").unwrap().strings(&v), vec!["2"]);
+    }
+
+    #[test]
+    fn bad_json_is_an_error() {
+        assert!(parse(BodyKind::Json, b"{nope").is_err());
+        assert_eq!(parse(BodyKind::Raw, b"{nope").unwrap(), None);
+    }
+}

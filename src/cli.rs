@@ -1,0 +1,276 @@
+//! The `idemproxy` command line. `main.rs` only calls [`main`].
+
+use crate::config::Config;
+use crate::store::{KeyFilter, KeyState};
+use clap::{Parser, Subcommand, ValueEnum};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "idemproxy",
+    version,
+    about = "An idempotent reverse proxy for outbound write APIs"
+)]
+struct Cli {
+    /// Log format on stderr.
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    log_format: LogFormat,
+    /// Configuration file.
+    #[arg(
+        long,
+        global = true,
+        env = "IDEMPROXY_CONFIG",
+        default_value = "proxy.toml"
+    )]
+    config: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the proxy (applies store migrations on start).
+    Serve,
+    /// Validate the configuration and print one line per route.
+    Check,
+    /// Dry run: route, upstream URL, key, fingerprint, entities, version (no network, no store).
+    Explain {
+        /// HTTP method, e.g. POST.
+        method: String,
+        /// Path as sent to the main listener, prefix included, e.g. /stripe/v1/charges.
+        url_path: String,
+        /// A request header, 'Name: value' (repeatable).
+        #[arg(short = 'H', long = "header")]
+        headers: Vec<String>,
+        /// The body: @file, - for stdin, or the text itself.
+        #[arg(long)]
+        body: Option<String>,
+    },
+    /// Inspect and release stored keys.
+    Keys {
+        #[command(subcommand)]
+        command: KeysCommand,
+    },
+    /// Apply the store migrations and exit.
+    Migrate,
+}
+
+#[derive(Subcommand)]
+enum KeysCommand {
+    /// Show every record of a key (any upstream or credential scope).
+    Show { key: String },
+    /// Make a key forwardable again (resolves an unknown outcome).
+    Release { key: String },
+    /// List recent keys.
+    List {
+        /// Only keys touching this entity.
+        #[arg(long)]
+        entity: Option<String>,
+        /// Only keys in this state: in_flight, completed, released, unknown.
+        #[arg(long)]
+        state: Option<String>,
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+}
+
+/// Runs the command line; the exit code is the command's.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_logging(cli.log_format);
+    let config = match Config::load(&cli.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = match cli.command {
+        Command::Check => check(&config),
+        Command::Explain {
+            method,
+            url_path,
+            headers,
+            body,
+        } => explain(&config, &method, &url_path, &headers, body),
+        Command::Serve => runtime(serve(config)),
+        Command::Migrate => runtime(migrate(config)),
+        Command::Keys { command } => runtime(keys(config, command)),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+fn runtime(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(fut)
+}
+
+fn check(config: &Config) -> anyhow::Result<()> {
+    println!("{}: ok", config.origin);
+    for u in &config.upstreams {
+        let at = u.prefix.as_deref().unwrap_or("-");
+        println!(
+            "upstream {}: {}://{}{} prefix={at} unmatched={:?}",
+            u.name, u.scheme, u.authority, u.base_path, u.unmatched
+        );
+    }
+    for r in &config.routes {
+        println!("route {}", r.summary());
+    }
+    Ok(())
+}
+
+fn explain(
+    config: &Config,
+    method: &str,
+    url: &str,
+    headers: &[String],
+    body: Option<String>,
+) -> anyhow::Result<()> {
+    let body = match body.as_deref() {
+        None => None,
+        Some("-") => {
+            let mut buf = Vec::new();
+            std::io::stdin().read_to_end(&mut buf)?;
+            Some(buf.into())
+        }
+        Some(b) if b.starts_with('@') => Some(std::fs::read(Path::new(&b[1..]))?.into()),
+        Some(text) => Some(bytes::Bytes::copy_from_slice(text.as_bytes())),
+    };
+    let report =
+        crate::explain::explain(config, method, url, headers, body).map_err(anyhow::Error::msg)?;
+    print!("{report}");
+    Ok(())
+}
+
+async fn serve(config: Config) -> anyhow::Result<()> {
+    let server = crate::server::Server::start(config).await?;
+    shutdown_signal().await;
+    tracing::info!("shutting down: no new connections; letting in-flight upstream calls finish");
+    server.shutdown().await;
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {},
+                    _ = term.recv() => {},
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+async fn migrate(config: Config) -> anyhow::Result<()> {
+    let store = crate::store::open(&config.store.url, config.store.lease, false).await?;
+    store.close().await;
+    println!("migrations applied to {}", config.store.url);
+    Ok(())
+}
+
+async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
+    let store = crate::store::open(&config.store.url, config.store.lease, false).await?;
+    let result = match command {
+        KeysCommand::Show { key } => {
+            let records = store.find_key(&key).await?;
+            if records.is_empty() {
+                Err(anyhow::anyhow!("no key {key:?}"))
+            } else {
+                let out: Vec<_> = records.iter().map(crate::admin::record_json).collect();
+                println!("{}", serde_json::to_string_pretty(&out)?);
+                Ok(())
+            }
+        }
+        KeysCommand::Release { key } => {
+            let n = store.release_key(&key).await?;
+            println!("released {n} record(s) of key {key:?}");
+            if n == 0 {
+                Err(anyhow::anyhow!(
+                    "nothing to release (no such key, already released, or in flight right now)"
+                ))
+            } else {
+                Ok(())
+            }
+        }
+        KeysCommand::List {
+            entity,
+            state,
+            limit,
+        } => {
+            let state = match state.as_deref().map(|s| KeyState::parse(s).ok_or(s)) {
+                Some(Err(s)) => {
+                    return Err(anyhow::anyhow!(
+                        "unknown state {s:?}: use in_flight, completed, released or unknown"
+                    ))
+                }
+                Some(Ok(st)) => Some(st),
+                None => None,
+            };
+            for r in store
+                .list_keys(&KeyFilter {
+                    entity,
+                    state,
+                    limit,
+                })
+                .await?
+            {
+                let status = r
+                    .response
+                    .as_ref()
+                    .map(|x| x.status.to_string())
+                    .unwrap_or_else(|| "-".into());
+                println!(
+                    "{}\t{}\t{}\t{}\tstatus={status}\tattempts={}\tentities={}",
+                    r.id.key,
+                    r.id.upstream,
+                    r.effective_state(crate::store::now_ms()).as_str(),
+                    r.route,
+                    r.attempts,
+                    r.entities.join(",")
+                );
+            }
+            Ok(())
+        }
+    };
+    store.close().await;
+    result
+}

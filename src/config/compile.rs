@@ -1,0 +1,610 @@
+//! Raw TOML → validated [`Config`]. Collects every error with its `file:line:col`.
+
+use super::raw::*;
+use super::units::{expand_env, parse_duration, parse_size};
+use super::*;
+use crate::template::Source;
+use std::collections::{BTreeMap, HashSet};
+use std::ops::Range;
+use toml::Spanned;
+
+struct Ctx<'a> {
+    text: &'a str,
+    origin: &'a str,
+    env: &'a dyn Fn(&str) -> Option<String>,
+    errors: Vec<String>,
+}
+
+impl Ctx<'_> {
+    fn at(&self, span: Range<usize>) -> String {
+        let upto = &self.text[..span.start.min(self.text.len())];
+        let line = upto.matches('\n').count() + 1;
+        let col = upto.rfind('\n').map_or(upto.len(), |i| upto.len() - i - 1) + 1;
+        format!("{}:{line}:{col}", self.origin)
+    }
+
+    fn err(&mut self, span: Range<usize>, msg: impl std::fmt::Display) {
+        let at = self.at(span);
+        self.errors.push(format!("{at}: {msg}"));
+    }
+
+    /// The string with `${ENV}` expanded, or `None` after recording the error.
+    fn s(&mut self, v: &Str) -> Option<String> {
+        match expand_env(v.get_ref(), self.env) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                self.err(v.span(), e);
+                None
+            }
+        }
+    }
+
+    fn dur(&mut self, v: &Option<Str>, default: Duration) -> Duration {
+        let Some(v) = v else { return default };
+        let Some(s) = self.s(v) else { return default };
+        parse_duration(&s).unwrap_or_else(|e| {
+            self.err(v.span(), e);
+            default
+        })
+    }
+
+    fn addr(&mut self, v: &Str) -> Option<SocketAddr> {
+        let s = self.s(v)?;
+        match s.parse() {
+            Ok(a) => Some(a),
+            Err(_) => {
+                self.err(
+                    v.span(),
+                    format!("{s:?} is not an address like 127.0.0.1:8080"),
+                );
+                None
+            }
+        }
+    }
+
+    fn header(&mut self, v: &Str) -> Option<HeaderName> {
+        let s = self.s(v)?;
+        HeaderName::from_bytes(s.as_bytes())
+            .map_err(|_| self.err(v.span(), format!("{s:?} is not a header name")))
+            .ok()
+    }
+
+    fn template(&mut self, v: &Str) -> Option<Template> {
+        let s = self.s(v)?;
+        Template::parse(&s).map_err(|e| self.err(v.span(), e)).ok()
+    }
+}
+
+pub(super) fn compile(
+    text: &str,
+    origin: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+) -> Result<Config, ConfigError> {
+    let raw: RawConfig = toml::from_str(text).map_err(|e| {
+        let span = e.span().unwrap_or(0..0);
+        let ctx = Ctx {
+            text,
+            origin,
+            env,
+            errors: vec![],
+        };
+        ConfigError {
+            errors: vec![format!("{}: {}", ctx.at(span), e.message())],
+        }
+    })?;
+    let mut cx = Ctx {
+        text,
+        origin,
+        env,
+        errors: Vec::new(),
+    };
+    let server = server(&mut cx, &raw.server);
+    let store = store(&mut cx, &raw.store);
+    let routes: Vec<Arc<Route>> = raw
+        .routes
+        .iter()
+        .filter_map(|r| route(&mut cx, r, &raw.upstreams))
+        .map(Arc::new)
+        .collect();
+    let mut names = HashSet::new();
+    for (raw_route, r) in raw.routes.iter().zip(&routes) {
+        if !names.insert(r.name.clone()) {
+            cx.err(
+                raw_route.get_ref().name.span(),
+                format!("duplicate route name {:?}", r.name),
+            );
+        }
+    }
+    let upstreams = upstreams(&mut cx, &raw.upstreams, &routes, &server);
+    if cx.errors.is_empty() {
+        Ok(Config {
+            origin: origin.to_owned(),
+            server,
+            store,
+            upstreams,
+            routes,
+        })
+    } else {
+        Err(ConfigError { errors: cx.errors })
+    }
+}
+
+fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
+    let default_listen = SocketAddr::from(([127, 0, 0, 1], 8080));
+    let listen = raw
+        .listen
+        .as_ref()
+        .and_then(|l| cx.addr(l))
+        .unwrap_or(default_listen);
+    // Absent: the default admin port; `""` turns the admin listener off.
+    let admin_listen = match &raw.admin_listen {
+        None => Some(SocketAddr::from(([127, 0, 0, 1], 9090))),
+        Some(a) if a.get_ref().is_empty() => None,
+        Some(a) => cx.addr(a),
+    };
+    let admin_token = raw
+        .admin_token
+        .as_ref()
+        .and_then(|t| cx.s(t))
+        .filter(|t| !t.is_empty());
+    let max_body = match &raw.max_body {
+        None => 1 << 20,
+        Some(v) => cx
+            .s(v)
+            .and_then(|s| parse_size(&s).map_err(|e| cx.err(v.span(), e)).ok())
+            .unwrap_or(1 << 20),
+    };
+    let tls = raw.tls.as_ref().and_then(|t| {
+        let t = t.get_ref();
+        Some(TlsFiles {
+            cert: cx.s(&t.cert)?.into(),
+            key: cx.s(&t.key)?.into(),
+        })
+    });
+    ServerConfig {
+        listen,
+        admin_listen,
+        admin_token,
+        max_body,
+        tls,
+    }
+}
+
+fn store(cx: &mut Ctx, raw: &RawStore) -> StoreConfig {
+    let url = match (cx.env)("IDEMPROXY_STORE_URL").filter(|s| !s.is_empty()) {
+        Some(url) => url,
+        None => raw
+            .url
+            .as_ref()
+            .and_then(|u| cx.s(u))
+            .unwrap_or_else(|| "sqlite://idemproxy.db".into()),
+    };
+    if !(url.starts_with("sqlite:")
+        || url.starts_with("postgres://")
+        || url.starts_with("postgresql://"))
+    {
+        let span = raw.url.as_ref().map(|u| u.span()).unwrap_or(0..0);
+        cx.err(
+            span,
+            format!("store.url {url:?}: use sqlite://FILE or postgres://..."),
+        );
+    }
+    StoreConfig {
+        url,
+        retention: cx.dur(&raw.retention, Duration::from_secs(86_400)),
+        lease: cx.dur(&raw.lease, Duration::from_secs(30)),
+    }
+}
+
+fn upstreams(
+    cx: &mut Ctx,
+    raw: &BTreeMap<String, Spanned<RawUpstream>>,
+    routes: &[Arc<Route>],
+    server: &ServerConfig,
+) -> Vec<Arc<Upstream>> {
+    let mut out = Vec::new();
+    let mut prefixes: Vec<String> = Vec::new();
+    for (name, sp) in raw {
+        let u = sp.get_ref();
+        let Some(url) = cx.s(&u.url) else { continue };
+        let uri: http::Uri = match url.parse() {
+            Ok(uri) => uri,
+            Err(e) => {
+                cx.err(u.url.span(), format!("upstream url {url:?}: {e}"));
+                continue;
+            }
+        };
+        let (Some(scheme), Some(authority)) = (uri.scheme().cloned(), uri.authority().cloned())
+        else {
+            cx.err(
+                u.url.span(),
+                format!("upstream url {url:?} needs http:// or https:// and a host"),
+            );
+            continue;
+        };
+        if scheme != http::uri::Scheme::HTTP && scheme != http::uri::Scheme::HTTPS {
+            cx.err(
+                u.url.span(),
+                format!("upstream url {url:?}: scheme must be http or https"),
+            );
+        }
+        if uri.query().is_some() {
+            cx.err(u.url.span(), "upstream url must not have a query");
+        }
+        let prefix = u.prefix.as_ref().and_then(|p| {
+            let s = cx.s(p)?;
+            let trimmed = s.trim_end_matches('/').to_owned();
+            if !s.starts_with('/') || trimmed.is_empty() || crate::route::check_path(&s).is_err() {
+                cx.err(p.span(), format!("prefix {s:?} must look like /name"));
+                return None;
+            }
+            if prefixes.contains(&trimmed) {
+                cx.err(
+                    p.span(),
+                    format!("prefix {s:?} is used by another upstream"),
+                );
+            }
+            prefixes.push(trimmed.clone());
+            Some(trimmed)
+        });
+        let listen = u.listen.as_ref().and_then(|l| cx.addr(l));
+        if prefix.is_none() && listen.is_none() && u.prefix.is_none() {
+            cx.err(
+                sp.span(),
+                format!("upstream {name:?} needs a prefix or a listen address"),
+            );
+        }
+        if let (Some(l), true) = (
+            listen,
+            listen == Some(server.listen) || listen == server.admin_listen,
+        ) {
+            cx.err(
+                sp.span(),
+                format!("upstream {name:?}: listen {l} is already used by [server]"),
+            );
+        }
+        let release_statuses = match &u.release_statuses {
+            None => Vec::new(),
+            Some(list) => list
+                .get_ref()
+                .iter()
+                .filter_map(|s| match u16::try_from(*s.get_ref()) {
+                    Ok(code) if (100..=599).contains(&code) => Some(code),
+                    _ => {
+                        cx.err(s.span(), format!("{} is not an HTTP status", s.get_ref()));
+                        None
+                    }
+                })
+                .collect(),
+        };
+        let unmatched = match u
+            .unmatched
+            .as_ref()
+            .and_then(|v| cx.s(v).map(|s| (s, v.span())))
+        {
+            None => Unmatched::Protect,
+            Some((s, span)) => match s.as_str() {
+                "protect" => Unmatched::Protect,
+                "passthrough" => Unmatched::Passthrough,
+                "reject" => Unmatched::Reject,
+                _ => {
+                    cx.err(
+                        span,
+                        format!("unmatched = {s:?}: use protect, passthrough or reject"),
+                    );
+                    Unmatched::Protect
+                }
+            },
+        };
+        out.push(Arc::new(Upstream {
+            name: name.clone(),
+            scheme,
+            authority,
+            base_path: uri.path().trim_end_matches('/').to_owned(),
+            prefix,
+            listen,
+            timeout: cx.dur(&u.timeout, Duration::from_secs(30)),
+            native_idempotency_header: u
+                .native_idempotency_header
+                .as_ref()
+                .and_then(|h| cx.header(h)),
+            release_statuses,
+            unmatched,
+            ca_file: u.ca_file.as_ref().and_then(|c| cx.s(c)).map(PathBuf::from),
+            scope_headers: u
+                .scope_headers
+                .iter()
+                .flatten()
+                .filter_map(|h| cx.header(h))
+                .collect(),
+            routes: routes
+                .iter()
+                .filter(|r| &r.upstream == name)
+                .cloned()
+                .collect(),
+            unmatched_route: Arc::new(Route::unmatched(name)),
+        }));
+    }
+    out
+}
+
+fn route(
+    cx: &mut Ctx,
+    sp: &Spanned<RawRoute>,
+    upstreams: &BTreeMap<String, Spanned<RawUpstream>>,
+) -> Option<Route> {
+    let r = sp.get_ref();
+    let errors_before = cx.errors.len();
+    let name = cx.s(&r.name)?;
+    let upstream = cx.s(&r.upstream)?;
+    if !upstreams.contains_key(&upstream) {
+        cx.err(
+            r.upstream.span(),
+            format!("route {name:?}: unknown upstream {upstream:?}"),
+        );
+    }
+    let methods = match &r.methods {
+        None => Config::DEFAULT_METHODS.to_vec(),
+        Some(list) => list
+            .iter()
+            .filter_map(|m| {
+                let s = cx.s(m)?.to_ascii_uppercase();
+                match Method::from_bytes(s.as_bytes()) {
+                    Ok(m) if m.is_safe() => None.or_else(|| {
+                        cx.err(r.name.span(), format!("route {name:?}: {m} is a safe method; safe methods always pass through"));
+                        None
+                    }),
+                    Ok(m) if m == Method::CONNECT => {
+                        cx.err(r.name.span(), format!("route {name:?}: CONNECT is not proxied"));
+                        None
+                    }
+                    Ok(m) => Some(m),
+                    Err(_) => {
+                        cx.err(m.span(), format!("{s:?} is not an HTTP method"));
+                        None
+                    }
+                }
+            })
+            .collect(),
+    };
+    let path_text = cx.s(&r.path)?;
+    let path = PathPattern::parse(&path_text)
+        .map_err(|e| cx.err(r.path.span(), e))
+        .ok()?;
+    let captures: Vec<String> = path.captures().map(str::to_owned).collect();
+
+    // Every template is checked against what this route can provide.
+    let mut check = |cx: &mut Ctx, field: &str, v: &Str, allow_entity: bool, allow_fp: bool| {
+        let t = cx.template(v)?;
+        for src in t.sources() {
+            let problem = match src {
+                Source::Path(n) if !captures.contains(n) => Some(format!(
+                    "{{path.{n}}}: the route path {path_text:?} does not capture {n:?}"
+                )),
+                Source::Entity if !allow_entity => Some(format!("{field} cannot use {{entity}}")),
+                Source::Fingerprint if !allow_fp => {
+                    Some(format!("{field} cannot use {{fingerprint}}"))
+                }
+                _ => None,
+            };
+            if let Some(p) = problem {
+                cx.err(v.span(), format!("route {name:?}: {p}"));
+            }
+        }
+        Some(t)
+    };
+    let entity = r
+        .entity
+        .as_ref()
+        .and_then(|e| check(cx, "entity", e, false, false));
+    let version = r
+        .version
+        .as_ref()
+        .and_then(|v| check(cx, "version", v, true, false));
+    let (mut key_header, mut derive, mut required) =
+        (Some(HeaderName::from_static("idempotency-key")), None, true);
+    let mut derive_given = false;
+    if let Some(k) = &r.key {
+        let k = k.get_ref();
+        if let Some(h) = &k.header {
+            key_header = match cx.s(h) {
+                Some(s) if s.is_empty() => None,
+                _ => cx.header(h),
+            };
+        }
+        if let Some(d) = &k.derive {
+            derive_given = true;
+            // `derive = ""` turns derivation off.
+            if !d.get_ref().is_empty() {
+                derive = check(cx, "key.derive", d, entity.is_some(), true);
+            }
+            if entity.is_none() && d.get_ref().contains("{entity}") {
+                cx.err(
+                    d.span(),
+                    format!(
+                        "route {name:?}: key.derive uses {{entity}} but the route has no entity"
+                    ),
+                );
+            }
+        }
+        required = k.required.unwrap_or(true);
+    }
+    if !derive_given {
+        derive = Template::parse("{fingerprint}").ok();
+    }
+    if key_header.is_none() && derive.is_none() && required {
+        cx.err(
+            sp.span(),
+            format!("route {name:?}: key has neither header nor derive but is required"),
+        );
+    }
+    let in_flight = match r
+        .in_flight
+        .as_ref()
+        .and_then(|v| cx.s(v).map(|s| (s, v.span())))
+    {
+        None => InFlight::Wait,
+        Some((s, _)) if s == "wait" => InFlight::Wait,
+        Some((s, _)) if s == "reject" => InFlight::Reject,
+        Some((s, span)) => {
+            cx.err(span, format!("in_flight = {s:?}: use wait or reject"));
+            InFlight::Wait
+        }
+    };
+    let mut fingerprint = FingerprintRule::default();
+    if let Some(fp) = &r.fingerprint {
+        for ig in &fp.ignore {
+            let Some(s) = cx.s(ig) else { continue };
+            match s.strip_prefix("body.").map(BodyPath::parse) {
+                Some(Ok(p)) => fingerprint.ignore.push(p),
+                Some(Err(e)) => cx.err(ig.span(), e),
+                None => cx.err(
+                    ig.span(),
+                    format!("fingerprint.ignore {s:?}: only body.* fields can be ignored"),
+                ),
+            }
+        }
+        fingerprint.headers = fp.headers.iter().filter_map(|h| cx.header(h)).collect();
+    }
+    let claim = r.claim.unwrap_or(false);
+    let claim_ttl = match &r.claim_ttl {
+        Some(_) => Some(cx.dur(&r.claim_ttl, Duration::ZERO)),
+        None if claim => Some(Duration::from_secs(86_400)),
+        None => None,
+    };
+    if r.claim_ttl.is_some() && !claim {
+        cx.err(
+            r.claim_ttl.as_ref().map(|c| c.span()).unwrap_or(0..0),
+            format!("route {name:?}: claim_ttl needs claim = true"),
+        );
+    }
+    let release_claim = r.release_claim.unwrap_or(false);
+    if (claim || release_claim) && entity.is_none() {
+        cx.err(
+            sp.span(),
+            format!("route {name:?}: claim and release_claim need an entity"),
+        );
+    }
+    if version.is_some() && entity.is_none() {
+        cx.err(
+            sp.span(),
+            format!("route {name:?}: version needs an entity"),
+        );
+    }
+    let precheck = r
+        .precheck
+        .as_ref()
+        .and_then(|p| precheck(cx, &name, p, &mut check));
+    let retention = r
+        .retention
+        .as_ref()
+        .map(|_| cx.dur(&r.retention, Duration::ZERO));
+    let uses_body = |t: &Option<Template>| {
+        t.as_ref()
+            .is_some_and(|t| t.uses(|s| matches!(s, Source::Body(_))))
+    };
+    let needs_body = uses_body(&entity)
+        || uses_body(&version)
+        || uses_body(&derive)
+        || precheck
+            .as_ref()
+            .is_some_and(|p| p.path.uses(|s| matches!(s, Source::Body(_))))
+        || !fingerprint.ignore.is_empty();
+    if cx.errors.len() > errors_before {
+        return None;
+    }
+    Some(Route {
+        name,
+        upstream,
+        methods,
+        path_text,
+        path,
+        entity,
+        key: KeyRule {
+            header: key_header,
+            derive,
+            required,
+        },
+        in_flight,
+        lock_timeout: cx.dur(&r.lock_timeout, Duration::from_secs(30)),
+        fingerprint,
+        version,
+        claim,
+        claim_ttl,
+        release_claim,
+        precheck,
+        retention,
+        needs_body,
+    })
+}
+
+type Check<'a> = dyn FnMut(&mut Ctx, &str, &Str, bool, bool) -> Option<Template> + 'a;
+
+fn precheck(
+    cx: &mut Ctx,
+    name: &str,
+    sp: &Spanned<RawPrecheck>,
+    check: &mut Check,
+) -> Option<Precheck> {
+    let p = sp.get_ref();
+    let method = match &p.method {
+        None => Method::GET,
+        Some(m) => {
+            let s = cx.s(m)?.to_ascii_uppercase();
+            match Method::from_bytes(s.as_bytes()) {
+                Ok(m) if m.is_safe() => m,
+                _ => {
+                    cx.err(
+                        m.span(),
+                        format!("route {name:?}: precheck method must be GET or HEAD, not {s:?}"),
+                    );
+                    return None;
+                }
+            }
+        }
+    };
+    let path = check(cx, "precheck.path", &p.path, true, false)?;
+    let expect_status = p
+        .expect_status
+        .iter()
+        .flatten()
+        .filter_map(|s| match u16::try_from(*s.get_ref()) {
+            Ok(c) if (100..=599).contains(&c) => Some(c),
+            _ => {
+                cx.err(s.span(), format!("{} is not an HTTP status", s.get_ref()));
+                None
+            }
+        })
+        .collect();
+    let mut expect = Vec::new();
+    for (field, value) in &p.expect {
+        let parsed = field.strip_prefix("body.").map(BodyPath::parse);
+        let json = serde_json::to_value(value.get_ref()).ok();
+        match (parsed, json) {
+            (Some(Ok(path)), Some(v)) => expect.push((path, v)),
+            (Some(Err(e)), _) => cx.err(value.span(), e),
+            _ => cx.err(
+                value.span(),
+                format!("precheck.expect {field:?}: keys must be body.* fields"),
+            ),
+        }
+    }
+    Some(Precheck {
+        method,
+        path,
+        expect_status: if expect_status_is_empty(&p.expect_status) {
+            vec![200]
+        } else {
+            expect_status
+        },
+        expect,
+    })
+}
+
+fn expect_status_is_empty(v: &Option<Vec<Spanned<i64>>>) -> bool {
+    v.as_ref().is_none_or(|v| v.is_empty())
+}
+
+#[cfg(test)]
+#[path = "compile_tests.rs"]
+mod tests;

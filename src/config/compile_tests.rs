@@ -1,0 +1,138 @@
+use super::*;
+
+fn compile_str(text: &str) -> Result<Config, ConfigError> {
+    let env = |k: &str| match k {
+        "TOKEN" => Some("s3cret".to_string()),
+        _ => None,
+    };
+    compile(text, "t.toml", &env)
+}
+
+const BASE: &str = r#"
+[server]
+listen = "127.0.0.1:0"
+admin_token = "${TOKEN}"
+[store]
+url = "sqlite://x.db"
+[upstreams.api]
+url = "http://127.0.0.1:9"
+prefix = "/api"
+"#;
+
+fn with_route(route: &str) -> String {
+    format!("{BASE}\n[[routes]]\n{route}")
+}
+
+fn first_error(text: &str) -> String {
+    match compile_str(text) {
+        Ok(_) => panic!("expected an error for:\n{text}"),
+        Err(e) => e.errors[0].clone(),
+    }
+}
+
+#[test]
+fn a_full_route_compiles() {
+    let cfg = compile_str(&with_route(
+        r#"name = "r"
+upstream = "api"
+methods = ["PATCH"]
+path = "/contacts/{id}"
+entity = "contact:{path.id}"
+key = { derive = "{header.x-workflow-id}:{entity}:{route}:{fingerprint}" }
+fingerprint = { ignore = ["body.properties.last_synced_at"] }
+version = "{header.x-entity-version}"
+claim = true
+claim_ttl = "24h"
+precheck = { path = "/contacts/{path.id}", expect = { "body.status" = "free" } }"#,
+    ))
+    .unwrap();
+    let r = &cfg.routes[0];
+    assert_eq!(r.methods, vec![Method::PATCH]);
+    assert!(r.needs_body);
+    assert_eq!(cfg.server.admin_token.as_deref(), Some("s3cret"));
+    assert_eq!(cfg.upstreams[0].routes.len(), 1);
+    assert_eq!(r.precheck.as_ref().unwrap().expect_status, vec![200]);
+}
+
+#[test]
+fn unknown_keys_report_line_and_column() {
+    let e = first_error(&format!("{BASE}bogus = 1\n"));
+    assert!(e.starts_with("t.toml:10:1:"), "{e}");
+    assert!(e.contains("bogus"), "{e}");
+}
+
+#[test]
+fn bad_values_are_located() {
+    let e = first_error(&format!("{BASE}timeout = \"30 parsecs\"\n"));
+    assert!(e.starts_with("t.toml:10:11:"), "{e}");
+    let e = first_error(&with_route(
+        r#"name = "r"
+upstream = "nope"
+path = "/x""#,
+    ));
+    assert!(
+        e.contains("t.toml:13:12") && e.contains("unknown upstream"),
+        "{e}"
+    );
+    let e = first_error(&with_route(
+        r#"name = "r"
+upstream = "api"
+path = "/x/{id}"
+entity = "c:{path.other}""#,
+    ));
+    assert!(
+        e.contains("does not capture") && e.contains("t.toml:15:"),
+        "{e}"
+    );
+    let e = first_error(&with_route(
+        r#"name = "r"
+upstream = "api"
+path = "/x"
+entity = "c:{cookie.a}""#,
+    ));
+    assert!(e.contains("unknown source"), "{e}");
+    let e = first_error(&format!(
+        "{BASE}[server.tls]\ncert = \"${{NOPE}}\"\nkey = \"k\"\n"
+    ));
+    assert!(e.contains("NOPE is not set"), "{e}");
+    let e = first_error(&format!("{BASE}release_statuses = [999]\n"));
+    assert!(e.contains("not an HTTP status"), "{e}");
+    let e = first_error("[server]\nmax_body = \"lots\"\n");
+    assert!(e.starts_with("t.toml:2:12"), "{e}");
+}
+
+#[test]
+fn entity_in_derive_needs_an_entity() {
+    let e = first_error(&with_route(
+        r#"name = "r"
+upstream = "api"
+path = "/x"
+key = { derive = "{entity}" }"#,
+    ));
+    assert!(e.contains("{entity}"), "{e}");
+}
+
+#[test]
+fn several_errors_are_all_reported() {
+    let text = format!("{BASE}timeout = \"x\"\nunmatched = \"maybe\"\n");
+    let errs = compile_str(&text).unwrap_err().errors;
+    assert_eq!(errs.len(), 2, "{errs:?}");
+}
+
+#[test]
+fn key_defaults_follow_the_spec() {
+    let cfg = compile_str(&with_route(
+        "name = \"r\"\nupstream = \"api\"\npath = \"/x\"",
+    ))
+    .unwrap();
+    let k = &cfg.routes[0].key;
+    assert_eq!(
+        k.header.as_ref().map(|h| h.as_str()),
+        Some("idempotency-key")
+    );
+    assert_eq!(k.derive.as_ref().map(|d| d.text()), Some("{fingerprint}"));
+    assert!(k.required);
+    let cfg = compile_str(&with_route("name = \"r\"\nupstream = \"api\"\npath = \"/x\"\nkey = { header = \"\", derive = \"{body.id}\" }")).unwrap();
+    assert!(cfg.routes[0].key.header.is_none());
+    assert!(cfg.routes[0].needs_body);
+}

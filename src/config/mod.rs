@@ -1,0 +1,234 @@
+//! `proxy.toml`, compiled: what the hot path reads, already validated.
+//!
+//! Two layers (as rpxy does it): [`raw`] mirrors the TOML, [`compile`] turns it into these
+//! types once at load — route matchers built, templates parsed and checked against their
+//! route, durations and sizes parsed, URLs parsed. Every problem is reported as
+//! `file:line:col: message`, all of them at once.
+
+mod compile;
+pub mod raw;
+pub mod units;
+
+use crate::body::BodyPath;
+use crate::route::PathPattern;
+use crate::template::Template;
+use http::{HeaderName, Method};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The validated configuration.
+#[derive(Debug)]
+pub struct Config {
+    /// Where it came from (file name), for messages.
+    pub origin: String,
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    /// In file order... of the TOML table (alphabetical).
+    pub upstreams: Vec<Arc<Upstream>>,
+    /// Every route in file order.
+    pub routes: Vec<Arc<Route>>,
+}
+
+#[derive(Debug)]
+pub struct ServerConfig {
+    pub listen: SocketAddr,
+    pub admin_listen: Option<SocketAddr>,
+    /// `None` when empty: the admin API is then open to whoever reaches `admin_listen`.
+    pub admin_token: Option<String>,
+    pub max_body: usize,
+    pub tls: Option<TlsFiles>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TlsFiles {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug)]
+pub struct StoreConfig {
+    pub url: String,
+    pub retention: Duration,
+    pub lease: Duration,
+}
+
+/// What to do with a mutating request that matches no route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unmatched {
+    /// Protected with the header key, else the fingerprint; no entity.
+    Protect,
+    Passthrough,
+    /// `404 no_route`.
+    Reject,
+}
+
+#[derive(Debug)]
+pub struct Upstream {
+    pub name: String,
+    /// Scheme and authority of the upstream.
+    pub scheme: http::uri::Scheme,
+    pub authority: http::uri::Authority,
+    /// The upstream URL's path, without trailing `/` (usually empty).
+    pub base_path: String,
+    /// Main-listener prefix without trailing `/`, e.g. `/stripe`.
+    pub prefix: Option<String>,
+    pub listen: Option<SocketAddr>,
+    pub timeout: Duration,
+    pub native_idempotency_header: Option<HeaderName>,
+    pub release_statuses: Vec<u16>,
+    pub unmatched: Unmatched,
+    pub ca_file: Option<PathBuf>,
+    /// Headers that scope keys besides `Authorization`.
+    pub scope_headers: Vec<HeaderName>,
+    /// This upstream's routes, in file order.
+    pub routes: Vec<Arc<Route>>,
+    /// The rule for mutating requests that match no route when `unmatched = "protect"`:
+    /// the header key, else the fingerprint; no entity.
+    pub unmatched_route: Arc<Route>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InFlight {
+    Wait,
+    Reject,
+}
+
+#[derive(Debug)]
+pub struct KeyRule {
+    /// `None` when `header = ""`: client keys are ignored.
+    pub header: Option<HeaderName>,
+    pub derive: Option<Template>,
+    pub required: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct FingerprintRule {
+    pub ignore: Vec<BodyPath>,
+    pub headers: Vec<HeaderName>,
+}
+
+#[derive(Debug)]
+pub struct Precheck {
+    pub method: Method,
+    pub path: Template,
+    pub expect_status: Vec<u16>,
+    /// `body.status` = "free": a body path and the JSON value it must hold.
+    pub expect: Vec<(BodyPath, serde_json::Value)>,
+}
+
+#[derive(Debug)]
+pub struct Route {
+    pub name: String,
+    pub upstream: String,
+    pub methods: Vec<Method>,
+    pub path_text: String,
+    pub path: PathPattern,
+    pub entity: Option<Template>,
+    pub key: KeyRule,
+    pub in_flight: InFlight,
+    pub lock_timeout: Duration,
+    pub fingerprint: FingerprintRule,
+    pub version: Option<Template>,
+    pub claim: bool,
+    pub claim_ttl: Option<Duration>,
+    pub release_claim: bool,
+    pub precheck: Option<Precheck>,
+    pub retention: Option<Duration>,
+    /// Some template or rule reads the body: it must parse.
+    pub needs_body: bool,
+}
+
+/// Every problem found in a config file, each as `file:line:col: message`.
+#[derive(Debug)]
+pub struct ConfigError {
+    pub errors: Vec<String>,
+}
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.errors.join("\n"))
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+impl Config {
+    /// Loads and validates a file; `IDEMPROXY_STORE_URL` overrides `store.url`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            errors: vec![format!("{}: cannot read: {e}", path.display())],
+        })?;
+        Config::from_toml(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates config text; `origin` names it in errors.
+    pub fn from_toml(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        let env = |k: &str| std::env::var(k).ok();
+        compile::compile(text, origin, &env)
+    }
+
+    /// Defaults applied when the route or upstream says nothing.
+    pub const DEFAULT_METHODS: [Method; 4] =
+        [Method::POST, Method::PUT, Method::PATCH, Method::DELETE];
+
+    pub fn upstream(&self, name: &str) -> Option<&Arc<Upstream>> {
+        self.upstreams.iter().find(|u| u.name == name)
+    }
+}
+
+impl Route {
+    /// The implicit route of `unmatched = "protect"`.
+    pub fn unmatched(upstream: &str) -> Route {
+        Route {
+            name: format!("{upstream}:unmatched"),
+            upstream: upstream.to_owned(),
+            methods: Config::DEFAULT_METHODS.to_vec(),
+            path_text: "/{*path}".into(),
+            path: PathPattern::parse("/{*path}")
+                .unwrap_or_else(|_| unreachable!("constant pattern")),
+            entity: None,
+            key: KeyRule {
+                header: Some(HeaderName::from_static("idempotency-key")),
+                derive: Template::parse("{fingerprint}").ok(),
+                required: true,
+            },
+            in_flight: InFlight::Wait,
+            lock_timeout: Duration::from_secs(30),
+            fingerprint: FingerprintRule::default(),
+            version: None,
+            claim: false,
+            claim_ttl: None,
+            release_claim: false,
+            precheck: None,
+            retention: None,
+            needs_body: false,
+        }
+    }
+
+    /// One line for `idemproxy check`.
+    pub fn summary(&self) -> String {
+        let methods: Vec<&str> = self.methods.iter().map(|m| m.as_str()).collect();
+        let key = match (&self.key.header, &self.key.derive) {
+            (Some(h), Some(d)) => format!("header {h}, else derive {}", d.text()),
+            (Some(h), None) => format!("header {h}"),
+            (None, Some(d)) => format!("derive {}", d.text()),
+            (None, None) => "none".into(),
+        };
+        let required = if self.key.required {
+            "required"
+        } else {
+            "optional"
+        };
+        format!(
+            "{}: upstream={} methods={} path={} entity={} key=[{key}] ({required}) in_flight={:?}",
+            self.name,
+            self.upstream,
+            methods.join(","),
+            self.path_text,
+            self.entity.as_ref().map(|t| t.text()).unwrap_or("-"),
+            self.in_flight
+        )
+    }
+}

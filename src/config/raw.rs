@@ -1,0 +1,109 @@
+//! The TOML as written: serde structs that mirror `proxy.toml`, with spans for `file:line:col`.
+//!
+//! Nothing here is validated beyond shape; [`super::compile`] turns these into the compiled
+//! types the hot path uses. `deny_unknown_fields` everywhere: a typo is an error, not a no-op.
+
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use toml::Spanned;
+
+pub type Str = Spanned<String>;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    #[serde(default)]
+    pub server: RawServer,
+    #[serde(default)]
+    pub store: RawStore,
+    #[serde(default)]
+    pub upstreams: BTreeMap<String, Spanned<RawUpstream>>,
+    #[serde(default)]
+    pub routes: Vec<Spanned<RawRoute>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawServer {
+    pub listen: Option<Str>,
+    pub admin_listen: Option<Str>,
+    pub admin_token: Option<Str>,
+    pub max_body: Option<Str>,
+    pub tls: Option<Spanned<RawTls>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTls {
+    pub cert: Str,
+    pub key: Str,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawStore {
+    pub url: Option<Str>,
+    pub retention: Option<Str>,
+    pub lease: Option<Str>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawUpstream {
+    pub url: Str,
+    pub prefix: Option<Str>,
+    pub listen: Option<Str>,
+    pub timeout: Option<Str>,
+    pub native_idempotency_header: Option<Str>,
+    pub release_statuses: Option<Spanned<Vec<Spanned<i64>>>>,
+    pub unmatched: Option<Str>,
+    pub ca_file: Option<Str>,
+    pub scope_headers: Option<Vec<Str>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawRoute {
+    pub name: Str,
+    pub upstream: Str,
+    pub methods: Option<Vec<Str>>,
+    pub path: Str,
+    pub entity: Option<Str>,
+    pub key: Option<Spanned<RawKey>>,
+    pub in_flight: Option<Str>,
+    pub lock_timeout: Option<Str>,
+    pub fingerprint: Option<RawFingerprint>,
+    pub version: Option<Str>,
+    pub claim: Option<bool>,
+    pub claim_ttl: Option<Str>,
+    pub release_claim: Option<bool>,
+    pub precheck: Option<Spanned<RawPrecheck>>,
+    pub retention: Option<Str>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawKey {
+    pub header: Option<Str>,
+    pub derive: Option<Str>,
+    pub required: Option<bool>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawFingerprint {
+    #[serde(default)]
+    pub ignore: Vec<Str>,
+    #[serde(default)]
+    pub headers: Vec<Str>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPrecheck {
+    pub method: Option<Str>,
+    pub path: Str,
+    pub expect_status: Option<Vec<Spanned<i64>>>,
+    #[serde(default)]
+    pub expect: BTreeMap<String, Spanned<toml::Value>>,
+}

@@ -1,0 +1,137 @@
+//! Durations, sizes and `${ENV}` expansion: the little languages inside config strings.
+
+use std::time::Duration;
+
+/// Parses `"250ms"`, `"30s"`, `"10m"`, `"24h"`, `"7d"` (one number, one unit).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("duration {s:?} has no unit (use ms, s, m, h or d)"))?;
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("duration {s:?} must start with a whole number"))?;
+    let ms = match unit {
+        "ms" => n,
+        "s" => n.saturating_mul(1000),
+        "m" => n.saturating_mul(60_000),
+        "h" => n.saturating_mul(3_600_000),
+        "d" => n.saturating_mul(86_400_000),
+        _ => {
+            return Err(format!(
+                "duration {s:?}: unknown unit {unit:?} (use ms, s, m, h or d)"
+            ))
+        }
+    };
+    Ok(Duration::from_millis(ms))
+}
+
+/// Parses `"512"`, `"64KiB"`, `"1MiB"`, `"1GiB"`, `"10kB"`, `"1MB"` into bytes.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: usize = num
+        .parse()
+        .map_err(|_| format!("size {s:?} must start with a whole number"))?;
+    let mult: usize = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "kB" | "KB" => 1000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        other => {
+            return Err(format!(
+                "size {s:?}: unknown unit {other:?} (use B, KiB, MiB, GiB)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} is too large"))
+}
+
+/// Expands `${VAR}` and `${VAR:-default}`; an unset `${VAR}` without default is an error.
+/// `$$` is a literal `$` so a value can still contain `${` when it must.
+pub fn expand_env(s: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
+    if !s.contains('$') {
+        return Ok(s.to_owned());
+    }
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(pos) = rest.find('$') {
+        out.push_str(&rest[..pos]);
+        let after = &rest[pos + 1..];
+        if let Some(stripped) = after.strip_prefix('$') {
+            out.push('$');
+            rest = stripped;
+        } else if let Some(inner) = after.strip_prefix('{') {
+            let end = inner
+                .find('}')
+                .ok_or_else(|| format!("unterminated ${{...}} in {s:?}"))?;
+            let expr = &inner[..end];
+            let (name, default) = match expr.split_once(":-") {
+                Some((n, d)) => (n, Some(d)),
+                None => (expr, None),
+            };
+            if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                return Err(format!("bad environment variable name {name:?}"));
+            }
+            // Shell semantics: `:-` also applies the default to a set but empty variable.
+            match (lookup(name).filter(|v| !(v.is_empty() && default.is_some())), default) {
+                (Some(v), _) => out.push_str(&v),
+                (None, Some(d)) => out.push_str(d),
+                (None, None) => {
+                    return Err(format!(
+                        "environment variable {name} is not set (use ${{{name}:-default}} for a default)"
+                    ))
+                }
+            }
+            rest = &inner[end + 1..];
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("30s").unwrap(), Duration::from_secs(30));
+        assert_eq!(parse_duration("10m").unwrap(), Duration::from_secs(600));
+        assert_eq!(parse_duration("24h").unwrap(), Duration::from_secs(86400));
+        assert!(parse_duration("30").is_err());
+        assert!(parse_duration("s").is_err());
+        assert!(parse_duration("3x").is_err());
+        assert!(parse_duration("-1s").is_err());
+    }
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("1MiB").unwrap(), 1 << 20);
+        assert_eq!(parse_size("64KiB").unwrap(), 65536);
+        assert_eq!(parse_size("100").unwrap(), 100);
+        assert!(parse_size("1 parsec").is_err());
+        assert!(parse_size("MiB").is_err());
+    }
+
+    #[test]
+    fn env_expansion() {
+        let env = |k: &str| (k == "A").then(|| "x".to_string());
+        assert_eq!(expand_env("a${A}b", &env).unwrap(), "axb");
+        assert_eq!(expand_env("${B:-dflt}", &env).unwrap(), "dflt");
+        assert_eq!(expand_env("${B:-}", &env).unwrap(), "");
+        assert_eq!(expand_env("$$x", &env).unwrap(), "$x");
+        assert!(expand_env("${B}", &env).is_err());
+        assert!(expand_env("${A", &env).is_err());
+    }
+}

@@ -1,0 +1,146 @@
+//! `idemproxy explain`: the pipeline's step 1 and the router, as a dry run — no network, no
+//! store. It runs the same code as the server ([`crate::proxy::resolve`], [`crate::prepare`]).
+
+use crate::config::Config;
+use crate::prepare::{self, Input, KeyPlan, KeySource};
+use crate::proxy::{resolve, Action, Listener};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use std::fmt::Write;
+
+/// Explains what the proxy would do with a request; `Err` for unusable arguments.
+pub fn explain(
+    config: &Config,
+    method: &str,
+    url: &str,
+    headers: &[String],
+    body: Option<Bytes>,
+) -> Result<String, String> {
+    let method = Method::from_bytes(method.to_ascii_uppercase().as_bytes())
+        .map_err(|_| format!("{method:?} is not an HTTP method"))?;
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| format!("{url:?} is not a path: {e}"))?;
+    let mut hm = HeaderMap::new();
+    for h in headers {
+        let (n, v) = h
+            .split_once(':')
+            .ok_or_else(|| format!("header {h:?} must look like 'Name: value'"))?;
+        let name = HeaderName::from_bytes(n.trim().as_bytes())
+            .map_err(|_| format!("bad header name {n:?}"))?;
+        let value =
+            HeaderValue::from_str(v.trim()).map_err(|_| format!("bad header value in {h:?}"))?;
+        hm.append(name, value);
+    }
+    let body = body.unwrap_or_default();
+    if !hm.contains_key(http::header::CONTENT_TYPE) && !body.is_empty() {
+        let ct = if serde_json::from_slice::<serde_json::Value>(&body).is_ok() {
+            "application/json"
+        } else {
+            "application/x-www-form-urlencoded"
+        };
+        hm.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
+    }
+    let mut out = String::new();
+    let w = &mut out;
+    let _ = writeln!(w, "request:     {method} {url}");
+    let (upstream, rel, action) = match resolve(config, &Listener::Main, &method, uri.path()) {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = writeln!(
+                w,
+                "outcome:     refused: {} {} ({})",
+                e.kind.status().as_u16(),
+                e.kind.as_str(),
+                e.message
+            );
+            return Ok(out);
+        }
+    };
+    let pq = match uri.query() {
+        Some(q) => format!("{}{rel}?{q}", upstream.base_path),
+        None => format!("{}{rel}", upstream.base_path),
+    };
+    let _ = writeln!(
+        w,
+        "upstream:    {} -> {}://{}{pq}",
+        upstream.name, upstream.scheme, upstream.authority
+    );
+    let (route, params) = match action {
+        Action::Passthrough => {
+            let _ = writeln!(
+                w,
+                "outcome:     passthrough (streamed, unlocked, unrecorded)"
+            );
+            return Ok(out);
+        }
+        Action::Protect(route, params) => (route, params),
+    };
+    let _ = writeln!(w, "route:       {}", route.summary());
+    let plan = match prepare::plan_key(&route, &hm) {
+        Ok(KeyPlan::Unprotected) => {
+            let _ = writeln!(
+                w,
+                "outcome:     no key and none required: passthrough, unprotected"
+            );
+            return Ok(out);
+        }
+        Ok(plan) => plan,
+        Err(e) => return Ok(refused(out, &e)),
+    };
+    if body.len() > config.server.max_body {
+        let _ = writeln!(w, "outcome:     refused: 413 body_too_large");
+        return Ok(out);
+    }
+    let input = Input {
+        method: &method,
+        path: rel,
+        query: uri.query(),
+        headers: &hm,
+        body: &body,
+        path_params: &params,
+    };
+    let p = match prepare::prepare(&upstream, &route, plan, &input) {
+        Ok(p) => p,
+        Err(e) => return Ok(refused(out, &e)),
+    };
+    let source = match p.key_source {
+        KeySource::Header => "from the client's header",
+        KeySource::Derived => "derived",
+    };
+    let _ = writeln!(w, "key:         {} ({source})", p.key);
+    let _ = writeln!(w, "scope:       {}", p.id.scope);
+    let _ = writeln!(w, "fingerprint: {}", p.fingerprint);
+    let _ = writeln!(
+        w,
+        "entities:    {}",
+        if p.entities.is_empty() {
+            "(none: no entity lock)".into()
+        } else {
+            p.entities.join(", ")
+        }
+    );
+    if let Some(v) = p.version {
+        let _ = writeln!(w, "version:     {v}");
+    }
+    if let Some(native) = &upstream.native_idempotency_header {
+        let _ = writeln!(w, "native:      sends {native}: {}", p.key);
+    }
+    let _ = writeln!(
+        w,
+        "outcome:     protected: replay if stored with this fingerprint, else lock the entities, reserve the key, forward once (in_flight = {:?})",
+        route.in_flight
+    );
+    Ok(out)
+}
+
+fn refused(mut out: String, e: &crate::error::ProxyError) -> String {
+    let _ = writeln!(
+        out,
+        "outcome:     refused: {} {} ({})",
+        e.kind.status().as_u16(),
+        e.kind.as_str(),
+        e.message
+    );
+    out
+}

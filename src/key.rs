@@ -1,0 +1,284 @@
+//! Idempotency keys: read from the client, derived from the intent, fingerprinted and scoped.
+
+use crate::body::{form_name_steps, BodyKind, BodyPath, Step};
+use crate::config::FingerprintRule;
+use http::{HeaderMap, HeaderName};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// Longest key accepted (client keys) before `key_invalid`.
+pub const MAX_KEY_LEN: usize = 255;
+
+/// Reads a client key from `name`, in the plain form (`abc`) or the IETF structured-field
+/// string form (`"abc"`, with `\"` and `\\` escapes). `Ok(None)` when the header is absent.
+pub fn header_key(headers: &HeaderMap, name: &HeaderName) -> Result<Option<String>, String> {
+    let Some(raw) = headers.get(name) else {
+        return Ok(None);
+    };
+    let s = raw
+        .to_str()
+        .map_err(|_| format!("{name} must be visible ASCII"))?
+        .trim();
+    let key = match s.strip_prefix('"') {
+        Some(inner) => unquote_sf_string(inner)
+            .ok_or_else(|| format!("{name} is a malformed structured-field string"))?,
+        None => s.to_owned(),
+    };
+    validate(&key).map_err(|e| format!("{name}: {e}"))?;
+    Ok(Some(key))
+}
+
+fn unquote_sf_string(inner: &str) -> Option<String> {
+    let mut out = String::with_capacity(inner.len());
+    let mut chars = inner.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next()? {
+                c @ ('"' | '\\') => out.push(c),
+                _ => return None,
+            },
+            // The closing quote must end the value (parameters are not meaningful here).
+            '"' => return chars.as_str().is_empty().then_some(out),
+            c => out.push(c),
+        }
+    }
+    None
+}
+
+/// A key must be 1–255 visible ASCII characters.
+pub fn validate(key: &str) -> Result<(), String> {
+    if key.is_empty() {
+        return Err("the key is empty".into());
+    }
+    if key.len() > MAX_KEY_LEN {
+        return Err(format!(
+            "the key is {} characters, over {MAX_KEY_LEN}",
+            key.len()
+        ));
+    }
+    if !key.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err("the key must be visible ASCII (no spaces or control characters)".into());
+    }
+    Ok(())
+}
+
+/// A derived key that cannot be a header value or is too long is replaced by its hash, so
+/// derivation never fails on odd field values.
+pub fn normalize_derived(key: String) -> String {
+    if validate(&key).is_ok() {
+        key
+    } else {
+        format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())))
+    }
+}
+
+/// What a fingerprint is computed over.
+pub struct Intent<'a> {
+    pub method: &'a str,
+    /// Upstream-relative path.
+    pub path: &'a str,
+    pub query: &'a [(String, String)],
+    pub body: &'a [u8],
+    pub kind: BodyKind,
+    /// The parsed body (JSON or form), if it parsed.
+    pub parsed: Option<&'a Value>,
+    pub headers: &'a HeaderMap,
+}
+
+/// SHA-256 (hex) over the request's intent: method, upstream path, sorted query, canonical
+/// body less ignored fields, and the configured headers.
+pub fn fingerprint(intent: &Intent<'_>, rule: &FingerprintRule) -> String {
+    let Intent {
+        method,
+        path,
+        query,
+        body,
+        kind,
+        parsed,
+        headers,
+    } = *intent;
+    let mut h = Sha256::new();
+    let mut field = |label: &[u8], data: &[u8]| {
+        // Length-prefixed fields: no two different requests hash the same bytes.
+        h.update(label);
+        h.update((data.len() as u64).to_be_bytes());
+        h.update(data);
+    };
+    field(b"method", method.as_bytes());
+    field(b"path", path.as_bytes());
+    let mut q: Vec<&(String, String)> = query.iter().collect();
+    q.sort();
+    for (k, v) in q {
+        field(b"qk", k.as_bytes());
+        field(b"qv", v.as_bytes());
+    }
+    match (kind, parsed) {
+        (BodyKind::Json, Some(v)) => {
+            let canonical = if rule.ignore.is_empty() {
+                serde_json::to_vec(v)
+            } else {
+                let mut v = v.clone();
+                rule.ignore.iter().for_each(|p| p.remove(&mut v));
+                serde_json::to_vec(&v)
+            };
+            field(b"json", &canonical.unwrap_or_default());
+        }
+        (BodyKind::Form, Some(_)) => {
+            let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body)
+                .filter(|(name, _)| !rule.ignore.iter().any(|p| form_field_matches(p, name)))
+                .map(|(k, v)| (k.into_owned(), v.into_owned()))
+                .collect();
+            pairs.sort();
+            for (k, v) in pairs {
+                field(b"fk", k.as_bytes());
+                field(b"fv", v.as_bytes());
+            }
+        }
+        _ => field(b"raw", body),
+    }
+    for name in &rule.headers {
+        for v in headers.get_all(name) {
+            field(name.as_str().as_bytes(), v.as_bytes());
+        }
+    }
+    hex::encode(h.finalize())
+}
+
+/// Whether form field `name` (`metadata[order_id]`, `items[0][id]`) is what `path` names.
+fn form_field_matches(path: &BodyPath, name: &str) -> bool {
+    let steps = form_name_steps(name);
+    steps.len() == path.0.len()
+        && steps.iter().zip(&path.0).all(|(s, p)| match p {
+            Step::Key(k) => k == s,
+            Step::Index(i) => s.parse::<usize>().ok() == Some(*i),
+            Step::All => s.is_empty() || s.parse::<usize>().is_ok(),
+        })
+}
+
+/// SHA-256 (hex) of the credential headers: `Authorization` and the upstream's scope headers.
+/// Stored instead of the credentials, so a replay is only served to the same credentials.
+pub fn scope_hash(headers: &HeaderMap, scope_headers: &[HeaderName]) -> String {
+    let mut h = Sha256::new();
+    let names = std::iter::once(&http::header::AUTHORIZATION).chain(scope_headers);
+    for name in names {
+        for v in headers.get_all(name) {
+            h.update(name.as_str().as_bytes());
+            h.update(b":");
+            h.update((v.len() as u64).to_be_bytes());
+            h.update(v.as_bytes());
+        }
+    }
+    hex::encode(h.finalize())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::body;
+
+    fn hm(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        h
+    }
+
+    #[test]
+    fn header_keys_plain_and_structured() {
+        let n = HeaderName::from_static("idempotency-key");
+        assert_eq!(
+            header_key(&hm(&[("idempotency-key", "abc")]), &n)
+                .unwrap()
+                .as_deref(),
+            Some("abc")
+        );
+        assert_eq!(
+            header_key(&hm(&[("idempotency-key", "\"a\\\"b\"")]), &n)
+                .unwrap()
+                .as_deref(),
+            Some("a\"b")
+        );
+        assert_eq!(header_key(&hm(&[]), &n).unwrap(), None);
+        assert!(header_key(&hm(&[("idempotency-key", "\"abc")]), &n).is_err());
+        assert!(header_key(&hm(&[("idempotency-key", "a b")]), &n).is_err());
+        let long = "x".repeat(256);
+        assert!(header_key(&hm(&[("idempotency-key", &long)]), &n).is_err());
+        assert!(normalize_derived("a b".into()).starts_with("sha256:"));
+        assert_eq!(normalize_derived("wf:1".into()), "wf:1");
+    }
+
+    fn fp(body: &[u8], kind: BodyKind, ignore: &[&str]) -> String {
+        let rule = FingerprintRule {
+            ignore: ignore.iter().map(|p| BodyPath::parse(p).unwrap()).collect(),
+            headers: vec![],
+        };
+        let parsed = body::parse(kind, body).unwrap();
+        let headers = HeaderMap::new();
+        let intent = Intent {
+            method: "POST",
+            path: "/x",
+            query: &[],
+            body,
+            kind,
+            parsed: parsed.as_ref(),
+            headers: &headers,
+        };
+        fingerprint(&intent, &rule)
+    }
+
+    #[test]
+    fn json_fingerprint_ignores_key_order_and_ignored_fields() {
+        let a = fp(br#"{"a":1,"b":{"c":2,"t":"x"}}"#, BodyKind::Json, &["b.t"]);
+        let b = fp(
+            br#"{ "b": {"t":"y", "c":2}, "a":1 }"#,
+            BodyKind::Json,
+            &["b.t"],
+        );
+        assert_eq!(a, b);
+        assert_ne!(a, fp(br#"{"a":2,"b":{"c":2}}"#, BodyKind::Json, &["b.t"]));
+    }
+
+    #[test]
+    fn form_fingerprint_sorts_pairs_and_ignores_bracket_fields() {
+        let a = fp(
+            b"amount=1&metadata[rid]=1&customer=c",
+            BodyKind::Form,
+            &["metadata.rid"],
+        );
+        let b = fp(
+            b"customer=c&amount=1&metadata[rid]=2",
+            BodyKind::Form,
+            &["metadata.rid"],
+        );
+        assert_eq!(a, b);
+        assert_ne!(
+            a,
+            fp(b"customer=c&amount=2", BodyKind::Form, &["metadata.rid"])
+        );
+        assert_ne!(
+            fp(b"{}", BodyKind::Raw, &[]),
+            fp(b"{ }", BodyKind::Raw, &[])
+        );
+    }
+
+    #[test]
+    fn scope_depends_on_credentials() {
+        let sh = [HeaderName::from_static("stripe-account")];
+        let a = scope_hash(&hm(&[("authorization", "Bearer a")]), &sh);
+        let b = scope_hash(&hm(&[("authorization", "Bearer b")]), &sh);
+        let c = scope_hash(
+            &hm(&[("authorization", "Bearer a"), ("stripe-account", "acct_1")]),
+            &sh,
+        );
+        assert_ne!(a, b);
+        assert_ne!(a, c);
+        assert_eq!(
+            a,
+            scope_hash(&hm(&[("authorization", "Bearer a"), ("x-other", "1")]), &sh)
+        );
+    }
+}

@@ -1,0 +1,45 @@
+//! # idemproxy
+//!
+//! An idempotent reverse proxy for outbound write APIs. Module map, in the order a request
+//! meets them:
+//!
+//! - [`server`]: listeners (main, per-upstream, admin), HTTP/1.1 + HTTP/2 via hyper-util,
+//!   optional inbound TLS, graceful shutdown.
+//! - [`proxy`]: the main-listener router: prefix → upstream, path safety, safe methods streamed
+//!   through, route matching, `unmatched` policy.
+//! - [`pipeline`]: the protected-request pipeline, SPEC.md steps 1–7 as named steps of one
+//!   function: prepare, look up, lock, check, reserve, forward, store.
+//! - [`prepare`]: step 1 — body, key, fingerprint, entities, version (shared with `explain`).
+//! - [`forward`]: the detached upstream call of a protected request and its outcome table.
+//! - [`upstream`]: the pooled upstream clients (rustls, per-upstream trust roots) and header
+//!   hygiene (hop-by-hop stripping, `Host`).
+//! - [`config`]: `proxy.toml`, parsed and validated into compiled types at load.
+//! - [`template`], [`body`], [`route`]: the little languages of routes — templates, body paths
+//!   and forms, path patterns.
+//! - [`key`]: client keys, derived keys, fingerprints, credential scopes.
+//! - [`locks`]: in-process one-holder/many-waiters locks for keys and entities.
+//! - [`store`]: the durable store trait and its SQLite backend (group commit).
+//! - [`admin`]: health, readiness and the operator API on the admin listener.
+//! - [`metrics`]: counters shared by the pipeline and the admin listener.
+//! - [`error`]: the one error type of the request path and its mapping to JSON responses.
+//! - [`cli`]: the `idemproxy` commands (`serve`, `check`, `explain`, `keys`, `migrate`).
+//! - [`explain`]: the dry run behind `idemproxy explain`.
+
+pub mod admin;
+pub mod body;
+pub mod cli;
+pub mod config;
+pub mod error;
+pub mod explain;
+pub mod forward;
+pub mod key;
+pub mod locks;
+pub mod metrics;
+pub mod pipeline;
+pub mod prepare;
+pub mod proxy;
+pub mod route;
+pub mod server;
+pub mod store;
+pub mod template;
+pub mod upstream;

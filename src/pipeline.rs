@@ -1,0 +1,392 @@
+//! The protected-request pipeline: SPEC.md "Request handling" steps 1–7, in order, in one
+//! place. Each step is a named function returning a decision or an error; [`run`] strings them
+//! together with `?` and [`crate::proxy::handle`] turns errors into JSON answers.
+
+use crate::config::{InFlight, Route, Upstream};
+use crate::error::{ErrorKind, ProxyError, ProxyResult};
+use crate::forward::{self, Outcome};
+use crate::locks::LockGuard;
+use crate::prepare::{self, Input, KeyPlan, Prepared};
+use crate::proxy::{self, AppState, Target};
+use crate::store::{
+    after_ms, now_ms, Finish, KeyRecord, KeyState, Reservation, Reserved, StoredResponse,
+};
+use crate::upstream::{full, request_headers, ProxyBody, UpstreamClient};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::Incoming;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What a look-up of the key says to do.
+enum Decision {
+    /// Nothing stands in the way: lock, reserve, forward. `take_unknown` re-forwards an unknown
+    /// outcome (only when the upstream dedupes by our key).
+    Proceed { take_unknown: bool },
+    /// A stored answer for this request.
+    Replay(StoredResponse),
+    /// Another process owns the key until this time (ms); wait for it.
+    WaitForeign(i64),
+}
+
+/// Runs a protected request through steps 1–7.
+pub async fn run(
+    state: &Arc<AppState>,
+    route: &Arc<Route>,
+    params: Vec<(String, String)>,
+    target: &Target<'_>,
+    req: Request<Incoming>,
+) -> ProxyResult<Response<ProxyBody>> {
+    let upstream = target.upstream;
+    let plan = prepare::plan_key(route, req.headers())?;
+    if matches!(plan, KeyPlan::Unprotected) {
+        return proxy::passthrough(state, target, req).await;
+    }
+    state.stats.on_protected();
+
+    // Step 1: buffer the body once; evaluate key, fingerprint, entities, version.
+    let (parts, body) = req.into_parts();
+    let body = read_body(body, &parts.headers, state.config.server.max_body).await?;
+    let input = Input {
+        method: &parts.method,
+        path: target.path,
+        query: target.query,
+        headers: &parts.headers,
+        body: &body,
+        path_params: &params,
+    };
+    let p = prepare::prepare(upstream, route, plan, &input)?;
+    let key = p.key.clone();
+    let result = protected(state, route, target, &p, parts, body).await;
+    result.map_err(|e| if e.key.is_none() { e.with_key(&key) } else { e })
+}
+
+async fn protected(
+    state: &Arc<AppState>,
+    route: &Arc<Route>,
+    target: &Target<'_>,
+    p: &Prepared,
+    parts: http::request::Parts,
+    body: Bytes,
+) -> ProxyResult<Response<ProxyBody>> {
+    let upstream = target.upstream;
+    // Step 2: one local request per scoped key at a time; the rest queue here.
+    let slot_name = format!("{}\n{}\n{}", p.id.upstream, p.id.scope, p.id.key);
+    let slot = {
+        let _waiting = state.stats.wait();
+        let wait = (route.in_flight == InFlight::Wait).then_some(route.lock_timeout);
+        state
+            .key_locks
+            .lock(&slot_name, wait)
+            .await
+            .map_err(|_| in_progress())?
+    };
+    let deadline = tokio::time::Instant::now() + route.lock_timeout;
+    let take_unknown = loop {
+        let record = state
+            .store
+            .get(&p.id)
+            .await
+            .map_err(|e| store_error(state, e))?;
+        match decide(record.as_ref(), p, upstream, route)? {
+            Decision::Replay(stored) => return Ok(replay(state, &stored, &p.key)),
+            Decision::Proceed { take_unknown } => break take_unknown,
+            Decision::WaitForeign(until) => wait_foreign(state, until, deadline).await?,
+        }
+    };
+
+    // Step 3: the entity locks, sorted, within lock_timeout.
+    let entity_guards = {
+        let _waiting = state.stats.wait();
+        state
+            .entity_locks
+            .lock_all(&p.entities, route.lock_timeout)
+            .await
+            .map_err(|_| entity_busy(route))?
+    };
+
+    // Step 4: claim, version and precheck run here, inside the locks (ordered persistence).
+
+    // Step 5: reserve durably; nothing is forwarded before this commit.
+    let reservation = Reservation {
+        id: p.id.clone(),
+        fingerprint: p.fingerprint.clone(),
+        route: route.name.clone(),
+        entities: p.entities.clone(),
+        owner: state.owner.clone(),
+        lease_until: after_ms(state.config.store.lease),
+        take_unknown,
+    };
+    let epoch = match state
+        .store
+        .reserve(reservation)
+        .await
+        .map_err(|e| store_error(state, e))?
+    {
+        Reserved::Owned { epoch } => epoch,
+        Reserved::Existing(rec) => match decide(Some(&rec), p, upstream, route)? {
+            Decision::Replay(stored) => return Ok(replay(state, &stored, &p.key)),
+            // Taken by another process between look-up and reservation.
+            _ => return Err(in_progress()),
+        },
+    };
+
+    // Steps 6–7: forward detached from this connection, store, release, answer.
+    let client = proxy::client(state, upstream)?.clone();
+    let mut headers = request_headers(parts.headers);
+    if let Some(native) = &upstream.native_idempotency_header {
+        if let Ok(v) = HeaderValue::from_str(&p.key) {
+            headers.insert(native.clone(), v);
+        }
+    }
+    let uri = client.uri(&target.path_and_query()).map_err(|e| {
+        ProxyError::new(
+            ErrorKind::BadPath,
+            format!("cannot build the upstream URL: {e}"),
+        )
+    })?;
+    let mut out = Request::new(full(body));
+    *out.method_mut() = parts.method;
+    *out.uri_mut() = uri;
+    *out.headers_mut() = headers;
+    let job = Job {
+        state: state.clone(),
+        client,
+        route: route.clone(),
+        id: p.id.clone(),
+        key: p.key.clone(),
+        epoch,
+        guards: (slot, entity_guards),
+    };
+    match state.tracker.spawn(job.run(out)).await {
+        Ok(result) => result,
+        Err(e) => Err(ProxyError::new(
+            ErrorKind::UpstreamTimeout,
+            format!("the upstream call failed: {e}"),
+        )),
+    }
+}
+
+/// Step 2's table: what a stored record means for this request.
+fn decide(
+    record: Option<&KeyRecord>,
+    p: &Prepared,
+    upstream: &Upstream,
+    route: &Route,
+) -> ProxyResult<Decision> {
+    let Some(rec) = record else {
+        return Ok(Decision::Proceed {
+            take_unknown: false,
+        });
+    };
+    let state = rec.effective_state(now_ms());
+    if state != KeyState::Released && rec.fingerprint != p.fingerprint {
+        return Err(ProxyError::new(
+            ErrorKind::KeyReused,
+            "this idempotency key was used for a different request (method, path, query or body differ)",
+        ));
+    }
+    Ok(match state {
+        KeyState::Released => Decision::Proceed {
+            take_unknown: false,
+        },
+        KeyState::Completed => match &rec.response {
+            Some(resp) => Decision::Replay(resp.clone()),
+            None => Decision::Proceed {
+                take_unknown: false,
+            },
+        },
+        KeyState::InFlight if route.in_flight == InFlight::Reject => return Err(in_progress()),
+        KeyState::InFlight => Decision::WaitForeign(rec.lease_until),
+        KeyState::Unknown if upstream.native_idempotency_header.is_some() => {
+            Decision::Proceed { take_unknown: true }
+        }
+        KeyState::Unknown => return Err(ProxyError::new(
+            ErrorKind::OutcomeUnknown,
+            "an earlier attempt with this key reached the upstream but its outcome is unknown; \
+                 check the upstream, then resolve it with `idemproxy keys release KEY`",
+        )),
+    })
+}
+
+/// Waits for another process's in-flight record: until its lease ends or our deadline.
+async fn wait_foreign(
+    state: &AppState,
+    until_ms: i64,
+    deadline: tokio::time::Instant,
+) -> ProxyResult<()> {
+    let _waiting = state.stats.wait();
+    let lease_left = Duration::from_millis(until_ms.saturating_sub(now_ms()).max(1) as u64 + 1);
+    let wake = (tokio::time::Instant::now() + lease_left).min(deadline);
+    if tokio::time::Instant::now() >= deadline {
+        return Err(in_progress());
+    }
+    tokio::time::sleep_until(wake).await;
+    Ok(())
+}
+
+/// A forward that runs to completion even if the client hangs up.
+struct Job {
+    state: Arc<AppState>,
+    client: Arc<UpstreamClient>,
+    route: Arc<Route>,
+    id: crate::store::ScopedKey,
+    key: String,
+    epoch: i64,
+    /// Held until the outcome is stored: the key slot and the entity locks.
+    guards: (LockGuard, Vec<LockGuard>),
+}
+
+impl Job {
+    async fn run(self, req: Request<ProxyBody>) -> ProxyResult<Response<ProxyBody>> {
+        let up = &self.client.upstream;
+        let outcome = {
+            let _in_flight = self.state.stats.on_forward();
+            self.call_renewing(req).await
+        };
+        let (finish, answer) = match outcome {
+            Outcome::Answer(resp) if up.release_statuses.contains(&resp.status) => {
+                (Finish::Released, Ok(resp))
+            }
+            Outcome::Answer(resp) => {
+                let retention = self
+                    .route
+                    .retention
+                    .unwrap_or(self.state.config.store.retention);
+                let expires_at = after_ms(retention);
+                (
+                    Finish::Completed {
+                        response: resp.clone(),
+                        expires_at,
+                    },
+                    Ok(resp),
+                )
+            }
+            Outcome::NotSent(why) => (
+                Finish::Released,
+                Err(ProxyError::new(
+                    ErrorKind::UpstreamUnreachable,
+                    format!("upstream {} unreachable: {why}", up.name),
+                )),
+            ),
+            Outcome::Unknown(why) => (
+                Finish::Unknown,
+                Err(ProxyError::new(
+                    ErrorKind::UpstreamTimeout,
+                    format!("upstream {}: {why}", up.name),
+                )),
+            ),
+        };
+        match self.state.store.finish(&self.id, self.epoch, finish).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(key = %self.key, "our reservation was taken over; the answer was not stored")
+            }
+            Err(e) => {
+                self.state.stats.on_store_error();
+                tracing::error!(key = %self.key, error = %e, "could not store the upstream's answer; the key will read as unknown");
+            }
+        }
+        drop(self.guards);
+        answer.map(|resp| respond(&resp, &self.key, false))
+    }
+
+    /// The upstream call, renewing our lease every third of it while it runs.
+    async fn call_renewing(&self, req: Request<ProxyBody>) -> Outcome {
+        let lease = self.state.config.store.lease;
+        let every = (lease / 3).max(Duration::from_millis(100));
+        let call = forward::call(&self.client, req, self.client.upstream.timeout);
+        tokio::pin!(call);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            tokio::select! {
+                outcome = &mut call => return outcome,
+                _ = tick.tick() => {
+                    if let Err(e) = self.state.store.renew(&self.id, self.epoch, after_ms(lease)).await {
+                        self.state.stats.on_store_error();
+                        tracing::warn!(key = %self.key, error = %e, "lease renewal failed");
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn replay(state: &AppState, stored: &StoredResponse, key: &str) -> Response<ProxyBody> {
+    state.stats.on_replay();
+    respond(stored, key, true)
+}
+
+/// A stored (or just received) answer, with the idempotency headers.
+fn respond(stored: &StoredResponse, key: &str, replayed: bool) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(stored.body.clone()));
+    *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let h: &mut HeaderMap = resp.headers_mut();
+    for (name, value) in &stored.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_maybe_shared(value.clone()),
+        ) {
+            h.append(n, v);
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(key) {
+        h.insert("idempotency-key", v);
+    }
+    h.insert(
+        "idempotent-replayed",
+        HeaderValue::from_static(if replayed { "true" } else { "false" }),
+    );
+    resp
+}
+
+/// Buffers a request body up to `max` bytes.
+async fn read_body(body: Incoming, headers: &HeaderMap, max: usize) -> ProxyResult<Bytes> {
+    let too_large = || {
+        ProxyError::new(
+            ErrorKind::BodyTooLarge,
+            format!("the request body is over the {max}-byte limit"),
+        )
+    };
+    let declared = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, max).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
+        Err(e) => Err(ProxyError::new(
+            ErrorKind::BodyInvalid,
+            format!("the request body could not be read: {e}"),
+        )),
+    }
+}
+
+fn in_progress() -> ProxyError {
+    ProxyError::new(
+        ErrorKind::RequestInProgress,
+        "a request with this idempotency key is in progress",
+    )
+    .retry_after(Duration::from_secs(1))
+}
+
+fn entity_busy(route: &Route) -> ProxyError {
+    ProxyError::new(
+        ErrorKind::EntityBusy,
+        format!(
+            "the entity stayed locked by other writes for lock_timeout ({:?})",
+            route.lock_timeout
+        ),
+    )
+    .retry_after(Duration::from_secs(1))
+}
+
+fn store_error(state: &AppState, e: crate::store::StoreError) -> ProxyError {
+    state.stats.on_store_error();
+    tracing::error!(error = %e, "store unavailable; failing closed");
+    ProxyError::store(e)
+}

@@ -1,0 +1,190 @@
+//! Step 1 of the pipeline: buffer the body once, then evaluate key, fingerprint, entities and
+//! version. Pure of the network and the store, so `idemproxy explain` runs the same code.
+
+use crate::body::{self, BodyKind};
+use crate::config::{Route, Upstream};
+use crate::error::{ErrorKind, ProxyError, ProxyResult};
+use crate::key;
+use crate::store::ScopedKey;
+use crate::template::RequestView;
+use bytes::Bytes;
+use http::{HeaderMap, Method};
+
+/// Where the key came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeySource {
+    Header,
+    Derived,
+}
+
+/// A protected request, evaluated.
+#[derive(Debug)]
+pub struct Prepared {
+    pub key: String,
+    pub key_source: KeySource,
+    pub id: ScopedKey,
+    pub fingerprint: String,
+    /// Sorted, unique.
+    pub entities: Vec<String>,
+    pub version: Option<i64>,
+}
+
+/// What to do with a mutating request, decided before its body is read.
+pub enum KeyPlan {
+    /// A client key from the header (already validated).
+    Header(String),
+    /// No client key: derive one from the template once the body is known.
+    Derive,
+    /// No key and none required: forward unprotected, streamed.
+    Unprotected,
+}
+
+/// Reads the client's key, if the route takes one: decided before the body is buffered so an
+/// unprotected request can still stream.
+pub fn plan_key(route: &Route, headers: &HeaderMap) -> ProxyResult<KeyPlan> {
+    if let Some(name) = &route.key.header {
+        let found = key::header_key(headers, name)
+            .map_err(|e| ProxyError::new(ErrorKind::KeyInvalid, e))?;
+        if let Some(k) = found {
+            return Ok(KeyPlan::Header(k));
+        }
+    }
+    match (&route.key.derive, route.key.required) {
+        (Some(_), _) => Ok(KeyPlan::Derive),
+        (None, false) => Ok(KeyPlan::Unprotected),
+        (None, true) => Err(ProxyError::new(
+            ErrorKind::KeyMissing,
+            format!("route {} needs an idempotency key header", route.name),
+        )),
+    }
+}
+
+/// The request as the pipeline evaluates it.
+pub struct Input<'a> {
+    pub method: &'a Method,
+    pub path: &'a str,
+    pub query: Option<&'a str>,
+    pub headers: &'a HeaderMap,
+    pub body: &'a Bytes,
+    pub path_params: &'a [(String, String)],
+}
+
+/// Evaluates key, fingerprint, entities and version of a buffered request.
+pub fn prepare(
+    upstream: &Upstream,
+    route: &Route,
+    plan: KeyPlan,
+    input: &Input<'_>,
+) -> ProxyResult<Prepared> {
+    let kind = BodyKind::of(input.headers);
+    let parsed = match body::parse(kind, input.body) {
+        Ok(v) => v,
+        Err(e) if route.needs_body => return Err(ProxyError::new(ErrorKind::BodyInvalid, e)),
+        // Nothing reads the body: it is fingerprinted as raw bytes.
+        Err(_) => None,
+    };
+    if route.needs_body && parsed.is_none() {
+        return Err(ProxyError::new(
+            ErrorKind::BodyInvalid,
+            format!(
+                "route {} reads the body, which must be JSON or a form",
+                route.name
+            ),
+        ));
+    }
+    let kind = if parsed.is_some() {
+        kind
+    } else {
+        BodyKind::Raw
+    };
+    let query: Vec<(String, String)> = input
+        .query
+        .map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect())
+        .unwrap_or_default();
+    let intent = key::Intent {
+        method: input.method.as_str(),
+        path: input.path,
+        query: &query,
+        body: input.body,
+        kind,
+        parsed: parsed.as_ref(),
+        headers: input.headers,
+    };
+    let fingerprint = key::fingerprint(&intent, &route.fingerprint);
+    let mut view = RequestView {
+        method: input.method.as_str(),
+        path_params: input.path_params,
+        query: &query,
+        headers: input.headers,
+        body: parsed.as_ref(),
+        route: &route.name,
+        entity: None,
+        fingerprint: Some(&fingerprint),
+    };
+    let entities = match &route.entity {
+        None => Vec::new(),
+        Some(t) => {
+            let mut e = t.eval(&view).map_err(|field| {
+                ProxyError::new(
+                    ErrorKind::EntityMissing,
+                    format!("the entity needs {{{field}}}, which the request lacks"),
+                )
+            })?;
+            e.sort();
+            e.dedup();
+            e
+        }
+    };
+    let joined = entities.join(",");
+    view.entity = (!entities.is_empty()).then_some(joined.as_str());
+    let (key, key_source) = match plan {
+        KeyPlan::Header(k) => (k, KeySource::Header),
+        _ => {
+            let derive = route.key.derive.as_ref().ok_or_else(|| {
+                ProxyError::new(
+                    ErrorKind::KeyMissing,
+                    format!("route {} has no way to make a key", route.name),
+                )
+            })?;
+            let raw = derive.eval_one(&view).map_err(|field| {
+                ProxyError::new(
+                    ErrorKind::KeyMissing,
+                    format!("the key is derived from {{{field}}}, which the request lacks"),
+                )
+            })?;
+            (key::normalize_derived(raw), KeySource::Derived)
+        }
+    };
+    let version = match &route.version {
+        None => None,
+        Some(t) => {
+            let text = t.eval_one(&view).map_err(|field| {
+                ProxyError::new(
+                    ErrorKind::VersionMissing,
+                    format!("the version needs {{{field}}}, which the request lacks"),
+                )
+                .with_key(&key)
+            })?;
+            Some(text.trim().parse::<i64>().map_err(|_| {
+                ProxyError::new(
+                    ErrorKind::VersionMissing,
+                    format!("the version {text:?} is not an integer"),
+                )
+                .with_key(&key)
+            })?)
+        }
+    };
+    let id = ScopedKey {
+        upstream: upstream.name.clone(),
+        scope: key::scope_hash(input.headers, &upstream.scope_headers),
+        key: key.clone(),
+    };
+    Ok(Prepared {
+        key,
+        key_source,
+        id,
+        fingerprint,
+        entities,
+        version,
+    })
+}

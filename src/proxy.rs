@@ -1,0 +1,239 @@
+//! The router in front of the pipeline: which upstream, which route, protected or streamed.
+//!
+//! Safe methods and unprotected requests stream through without buffering; everything that
+//! matches a route (or the upstream's `unmatched = "protect"`) goes to [`crate::pipeline`].
+
+use crate::config::{Config, Route, Unmatched, Upstream};
+use crate::error::{ErrorKind, ProxyError, ProxyResult};
+use crate::locks::LockTable;
+use crate::metrics::Stats;
+use crate::store::Store;
+use crate::upstream::{request_headers, strip_hop_by_hop, ProxyBody, UpstreamClient};
+use http::{Method, Request, Response, Version};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use std::collections::HashMap;
+use std::sync::Arc;
+use tokio_util::task::TaskTracker;
+
+/// Everything a request needs, shared by all connections (cheap `Arc` clones).
+pub struct AppState {
+    pub config: Arc<Config>,
+    pub store: Arc<dyn Store>,
+    pub clients: HashMap<String, Arc<UpstreamClient>>,
+    /// Local waiters for a scoped key queue here instead of hammering the store.
+    pub key_locks: LockTable,
+    /// One protected request per entity at the upstream (in this process).
+    pub entity_locks: LockTable,
+    pub stats: Arc<Stats>,
+    /// Detached upstream calls: shutdown waits for them to finish and be stored.
+    pub tracker: TaskTracker,
+    /// This process's identity as the owner of reservations.
+    pub owner: String,
+}
+
+/// Which listener a request arrived on.
+#[derive(Clone)]
+pub enum Listener {
+    /// `/<prefix>/...` routing.
+    Main,
+    /// A dedicated upstream listener: every path goes to this upstream as is.
+    Upstream(Arc<Upstream>),
+}
+
+/// The upstream-side target of a request.
+pub struct Target<'a> {
+    pub upstream: &'a Arc<Upstream>,
+    /// Upstream-relative path (no query).
+    pub path: &'a str,
+    pub query: Option<&'a str>,
+}
+
+impl Target<'_> {
+    pub fn path_and_query(&self) -> String {
+        match self.query {
+            Some(q) => format!("{}?{q}", self.path),
+            None => self.path.to_owned(),
+        }
+    }
+}
+
+/// Answers one request; never fails, never panics on input.
+pub async fn handle(
+    state: Arc<AppState>,
+    listener: Listener,
+    req: Request<Incoming>,
+) -> Response<ProxyBody> {
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    match dispatch(&state, &listener, req).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            tracing::info!(%method, %path, error = %e, "request refused");
+            e.to_response()
+                .map(|b| b.map_err(|never| match never {}).boxed())
+        }
+    }
+}
+
+async fn dispatch(
+    state: &Arc<AppState>,
+    listener: &Listener,
+    req: Request<Incoming>,
+) -> ProxyResult<Response<ProxyBody>> {
+    if req.method() == Method::CONNECT {
+        return Err(ProxyError::new(
+            ErrorKind::BadPath,
+            "CONNECT is not supported",
+        ));
+    }
+    // HTTP/2 always carries scheme and authority; in HTTP/1 they mean an absolute-form target.
+    if req.version() < Version::HTTP_2 && req.uri().authority().is_some() {
+        return Err(ProxyError::new(
+            ErrorKind::BadPath,
+            "absolute-form request targets are not accepted",
+        ));
+    }
+    let uri = req.uri().clone();
+    let (upstream, rel, action) = resolve(&state.config, listener, req.method(), uri.path())?;
+    let target = Target {
+        upstream: &upstream,
+        path: rel,
+        query: uri.query(),
+    };
+    match action {
+        Action::Passthrough => passthrough(state, &target, req).await,
+        Action::Protect(route, params) => {
+            crate::pipeline::run(state, &route, params, &target, req).await
+        }
+    }
+}
+
+/// What the router decided for a request.
+pub enum Action {
+    /// Stream it through, unlocked and unrecorded.
+    Passthrough,
+    /// Run the pipeline under this route, with these path captures.
+    Protect(Arc<Route>, Vec<(String, String)>),
+}
+
+/// Routing, pure: upstream, upstream-relative path and action for a method and path. Shared
+/// by the server and `idemproxy explain`.
+pub fn resolve<'p>(
+    config: &Config,
+    listener: &Listener,
+    method: &Method,
+    path: &'p str,
+) -> ProxyResult<(Arc<Upstream>, &'p str, Action)> {
+    crate::route::check_path(path).map_err(|why| ProxyError::new(ErrorKind::BadPath, why))?;
+    let (upstream, rel) = match listener {
+        Listener::Upstream(u) => (u.clone(), path),
+        Listener::Main => find_upstream(config, path).ok_or_else(|| {
+            ProxyError::new(
+                ErrorKind::NoRoute,
+                format!("no upstream is mounted at {path}"),
+            )
+        })?,
+    };
+    if method.is_safe() {
+        return Ok((upstream, rel, Action::Passthrough));
+    }
+    let matched = upstream.routes.iter().find_map(|r| {
+        r.methods
+            .contains(method)
+            .then(|| r.path.matches(rel))
+            .flatten()
+            .map(|p| (r, p))
+    });
+    let action = match matched {
+        Some((route, params)) => Action::Protect(route.clone(), params),
+        None => match upstream.unmatched {
+            Unmatched::Protect => Action::Protect(upstream.unmatched_route.clone(), Vec::new()),
+            Unmatched::Passthrough => Action::Passthrough,
+            Unmatched::Reject => {
+                return Err(ProxyError::new(
+                    ErrorKind::NoRoute,
+                    format!(
+                        "no route of upstream {} matches {method} {rel}",
+                        upstream.name
+                    ),
+                ))
+            }
+        },
+    };
+    Ok((upstream, rel, action))
+}
+
+/// `/stripe/v1/charges` → (stripe, `/v1/charges`): whole segments only.
+fn find_upstream<'p>(config: &Config, path: &'p str) -> Option<(Arc<Upstream>, &'p str)> {
+    config.upstreams.iter().find_map(|u| {
+        let prefix = u.prefix.as_deref()?;
+        let rest = path.strip_prefix(prefix)?;
+        match rest {
+            "" => Some((u.clone(), "/")),
+            r if r.starts_with('/') => Some((u.clone(), r)),
+            _ => None,
+        }
+    })
+}
+
+/// The client of an upstream (always present: built for every upstream at start).
+pub fn client<'s>(
+    state: &'s AppState,
+    upstream: &Upstream,
+) -> ProxyResult<&'s Arc<UpstreamClient>> {
+    state.clients.get(&upstream.name).ok_or_else(|| {
+        ProxyError::new(
+            ErrorKind::UpstreamUnreachable,
+            format!("no client for upstream {}", upstream.name),
+        )
+    })
+}
+
+/// Streams a request through, unlocked and unrecorded.
+pub(crate) async fn passthrough(
+    state: &AppState,
+    target: &Target<'_>,
+    req: Request<Incoming>,
+) -> ProxyResult<Response<ProxyBody>> {
+    let client = client(state, target.upstream)?;
+    let (parts, body) = req.into_parts();
+    let uri = client.uri(&target.path_and_query()).map_err(|e| {
+        ProxyError::new(
+            ErrorKind::BadPath,
+            format!("cannot build the upstream URL: {e}"),
+        )
+    })?;
+    let mut out = Request::new(body.map_err(Into::into).boxed());
+    *out.method_mut() = parts.method;
+    *out.uri_mut() = uri;
+    *out.headers_mut() = request_headers(parts.headers);
+    let timeout = target.upstream.timeout;
+    let resp = match tokio::time::timeout(timeout, client.send(out)).await {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(e)) if e.is_connect() => {
+            return Err(ProxyError::new(
+                ErrorKind::UpstreamUnreachable,
+                crate::forward::describe(&e),
+            ))
+        }
+        Ok(Err(e)) => {
+            return Err(ProxyError::new(
+                ErrorKind::UpstreamTimeout,
+                crate::forward::describe(&e),
+            ))
+        }
+        Err(_) => {
+            return Err(ProxyError::new(
+                ErrorKind::UpstreamTimeout,
+                format!("no answer within {timeout:?}"),
+            ))
+        }
+    };
+    let (mut parts, body) = resp.into_parts();
+    strip_hop_by_hop(&mut parts.headers);
+    Ok(Response::from_parts(
+        parts,
+        body.map_err(Into::into).boxed(),
+    ))
+}

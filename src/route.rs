@@ -1,0 +1,171 @@
+//! Path patterns of routes (`/crm/v3/objects/contacts/{contact_id}`, `/webhook/{*rest}`) and
+//! the path safety check that keeps `..` and encoded slashes away from upstreams.
+
+use percent_encoding::percent_decode_str;
+
+#[derive(Debug, Clone, PartialEq)]
+enum Seg {
+    Lit(String),
+    Capture(String),
+    Tail(String),
+}
+
+/// A compiled route path.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PathPattern {
+    segs: Vec<Seg>,
+}
+
+impl PathPattern {
+    pub fn parse(pattern: &str) -> Result<PathPattern, String> {
+        if !pattern.starts_with('/') {
+            return Err(format!("path {pattern:?} must start with '/'"));
+        }
+        let raw: Vec<&str> = pattern[1..].split('/').collect();
+        let mut segs = Vec::with_capacity(raw.len());
+        for (i, s) in raw.iter().enumerate() {
+            if let Some(inner) = s.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
+                if let Some(name) = inner.strip_prefix('*') {
+                    if i + 1 != raw.len() {
+                        return Err(format!("path {pattern:?}: {{*{name}}} must be last"));
+                    }
+                    check_name(pattern, name)?;
+                    segs.push(Seg::Tail(name.to_owned()));
+                } else {
+                    check_name(pattern, inner)?;
+                    segs.push(Seg::Capture(inner.to_owned()));
+                }
+            } else if s.contains('{') || s.contains('}') {
+                return Err(format!(
+                    "path {pattern:?}: a capture must be a whole segment, like /{{id}}"
+                ));
+            } else {
+                segs.push(Seg::Lit((*s).to_owned()));
+            }
+        }
+        Ok(PathPattern { segs })
+    }
+
+    /// Names this pattern captures (for checking `{path.X}` templates at load).
+    pub fn captures(&self) -> impl Iterator<Item = &str> {
+        self.segs.iter().filter_map(|s| match s {
+            Seg::Capture(n) | Seg::Tail(n) => Some(n.as_str()),
+            Seg::Lit(_) => None,
+        })
+    }
+
+    /// Matches an upstream-relative path (no query); captures are percent-decoded.
+    pub fn matches(&self, path: &str) -> Option<Vec<(String, String)>> {
+        let rest = path.strip_prefix('/')?;
+        let mut params = Vec::new();
+        let mut parts = rest.split('/');
+        let mut consumed = 0usize;
+        for seg in &self.segs {
+            match seg {
+                Seg::Tail(name) => {
+                    let tail = &rest[consumed.min(rest.len())..];
+                    params.push((name.clone(), decode(tail)));
+                    return Some(params);
+                }
+                Seg::Lit(l) => {
+                    let p = parts.next()?;
+                    if p != l {
+                        return None;
+                    }
+                    consumed += p.len() + 1;
+                }
+                Seg::Capture(name) => {
+                    let p = parts.next()?;
+                    if p.is_empty() {
+                        return None;
+                    }
+                    params.push((name.clone(), decode(p)));
+                    consumed += p.len() + 1;
+                }
+            }
+        }
+        parts.next().is_none().then_some(params)
+    }
+}
+
+fn check_name(pattern: &str, name: &str) -> Result<(), String> {
+    if name.is_empty() || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+        return Err(format!("path {pattern:?}: bad capture name {name:?}"));
+    }
+    Ok(())
+}
+
+fn decode(s: &str) -> String {
+    percent_decode_str(s).decode_utf8_lossy().into_owned()
+}
+
+/// Rejects paths an upstream could resolve to somewhere else: `.`/`..` segments (plain or
+/// percent-encoded), encoded `/` or `\`, backslashes and NUL. Returns the reason.
+pub fn check_path(path: &str) -> Result<(), &'static str> {
+    if !path.starts_with('/') {
+        return Err("the path must start with '/'");
+    }
+    for seg in path.split('/') {
+        if seg.contains('\\') {
+            return Err("backslashes are not allowed in paths");
+        }
+        if !seg.contains('%') && !seg.starts_with('.') {
+            continue;
+        }
+        let decoded = percent_decode_str(seg).collect::<Vec<u8>>();
+        if decoded == b".." || decoded == b"." {
+            return Err("dot segments ('..', '%2e%2e') are not allowed");
+        }
+        if decoded.iter().any(|&b| b == b'/' || b == b'\\' || b == 0) {
+            return Err("encoded '/', '\\' or NUL ('%2f', '%5c', '%00') are not allowed");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matching() {
+        let p = PathPattern::parse("/crm/v3/objects/contacts/{contact_id}").unwrap();
+        assert_eq!(
+            p.matches("/crm/v3/objects/contacts/12%20a"),
+            Some(vec![("contact_id".into(), "12 a".into())])
+        );
+        assert_eq!(p.matches("/crm/v3/objects/contacts/"), None);
+        assert_eq!(p.matches("/crm/v3/objects/contacts/1/x"), None);
+        let t = PathPattern::parse("/webhook/{*rest}").unwrap();
+        assert_eq!(
+            t.matches("/webhook/a/b"),
+            Some(vec![("rest".into(), "a/b".into())])
+        );
+        let lit = PathPattern::parse("/v1/charges").unwrap();
+        assert!(lit.matches("/v1/charges").is_some());
+        assert!(lit.matches("/v1/charges/x").is_none());
+        assert!(PathPattern::parse("v1").is_err());
+        assert!(PathPattern::parse("/{*a}/b").is_err());
+        assert!(PathPattern::parse("/a{b}").is_err());
+    }
+
+    #[test]
+    fn unsafe_paths() {
+        for bad in [
+            "/a/../b",
+            "/a/%2e%2e/b",
+            "/a/%2E%2e",
+            "/a/.%2e/b",
+            "/a%2fb",
+            "/a%2Fb",
+            "/a%5cb",
+            "/a\\b",
+            "/./a",
+        ] {
+            assert!(check_path(bad).is_err(), "{bad}");
+        }
+        for good in ["/", "/v1/charges", "/a/..b", "/a/%20", "/a/.well-known"] {
+            assert!(check_path(good).is_ok(), "{good}");
+        }
+    }
+}

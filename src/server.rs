@@ -1,0 +1,257 @@
+//! Listeners and lifecycle: bind, serve HTTP/1.1 and HTTP/2 (hyper-util `auto`), optional
+//! inbound TLS, and a graceful shutdown that lets detached upstream calls finish and be stored.
+
+use crate::admin;
+use crate::config::Config;
+use crate::locks::LockTable;
+use crate::metrics::Stats;
+use crate::proxy::{self, AppState, Listener};
+use crate::upstream::{ProxyBody, UpstreamClient};
+use anyhow::Context;
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use std::collections::{BTreeMap, HashMap};
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+/// Most connections served at once per listener; more wait in the kernel's backlog.
+const MAX_CONNECTIONS: usize = 8192;
+
+type Handler = Arc<
+    dyn Fn(Request<Incoming>) -> Pin<Box<dyn Future<Output = Response<ProxyBody>> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// A running proxy.
+pub struct Server {
+    pub main_addr: SocketAddr,
+    pub admin_addr: Option<SocketAddr>,
+    /// Bound addresses of dedicated per-upstream listeners, by upstream name.
+    pub upstream_addrs: BTreeMap<String, SocketAddr>,
+    state: Arc<AppState>,
+    cancel: CancellationToken,
+    loops: Vec<JoinHandle<()>>,
+}
+
+impl Server {
+    /// Opens the store (applying migrations), builds the clients, binds every listener.
+    pub async fn start(config: Config) -> anyhow::Result<Server> {
+        let config = Arc::new(config);
+        let store = crate::store::open(&config.store.url, config.store.lease, true)
+            .await
+            .with_context(|| format!("cannot open the store {}", config.store.url))?;
+        let roots = crate::upstream::default_roots();
+        let mut clients = HashMap::new();
+        for u in &config.upstreams {
+            clients.insert(
+                u.name.clone(),
+                Arc::new(UpstreamClient::new(u.clone(), &roots)?),
+            );
+        }
+        let state = Arc::new(AppState {
+            config: config.clone(),
+            store,
+            clients,
+            key_locks: LockTable::new(),
+            entity_locks: LockTable::new(),
+            stats: Arc::new(Stats::default()),
+            tracker: TaskTracker::new(),
+            owner: format!("pid{}-{}", std::process::id(), crate::store::now_ms()),
+        });
+        let tls = match &config.server.tls {
+            Some(files) => Some(tls_acceptor(files)?),
+            None => None,
+        };
+        let cancel = CancellationToken::new();
+        let mut loops = Vec::new();
+
+        let main = bind(config.server.listen).await?;
+        let main_addr = main.local_addr()?;
+        tracing::info!(addr = %main_addr, tls = tls.is_some(), "listening on main listener");
+        loops.push(serve(
+            main,
+            tls.clone(),
+            proxy_handler(&state, Listener::Main),
+            cancel.clone(),
+        ));
+
+        let mut upstream_addrs = BTreeMap::new();
+        for u in config.upstreams.iter().filter(|u| u.listen.is_some()) {
+            let l = bind(u.listen.unwrap_or(main_addr)).await?;
+            let addr = l.local_addr()?;
+            tracing::info!(upstream = %u.name, addr = %addr, "listening on upstream listener");
+            upstream_addrs.insert(u.name.clone(), addr);
+            loops.push(serve(
+                l,
+                tls.clone(),
+                proxy_handler(&state, Listener::Upstream(u.clone())),
+                cancel.clone(),
+            ));
+        }
+
+        let admin_addr = match config.server.admin_listen {
+            Some(a) => {
+                let l = bind(a).await?;
+                let addr = l.local_addr()?;
+                tracing::info!(addr = %addr, "listening on admin listener");
+                let st = state.clone();
+                let handler: Handler = Arc::new(move |req| {
+                    let st = st.clone();
+                    Box::pin(async move { admin::handle(st, req).await })
+                });
+                loops.push(serve(l, None, handler, cancel.clone()));
+                Some(addr)
+            }
+            None => None,
+        };
+        tracing::info!(
+            store = state.store.backend(),
+            upstreams = config.upstreams.len(),
+            routes = config.routes.len(),
+            "idemproxy ready"
+        );
+        Ok(Server {
+            main_addr,
+            admin_addr,
+            upstream_addrs,
+            state,
+            cancel,
+            loops,
+        })
+    }
+
+    /// Request statistics (also served on `/metrics`).
+    pub fn stats(&self) -> Arc<Stats> {
+        self.state.stats.clone()
+    }
+
+    /// Stops accepting, lets open connections and detached upstream calls finish and be
+    /// stored, then closes the store.
+    pub async fn shutdown(self) {
+        self.cancel.cancel();
+        for l in self.loops {
+            let _ = l.await;
+        }
+        self.state.tracker.close();
+        self.state.tracker.wait().await;
+        self.state.store.close().await;
+        tracing::info!("stopped");
+    }
+}
+
+async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))
+}
+
+fn proxy_handler(state: &Arc<AppState>, listener: Listener) -> Handler {
+    let state = state.clone();
+    Arc::new(move |req| {
+        let (state, listener) = (state.clone(), listener.clone());
+        Box::pin(async move { proxy::handle(state, listener, req).await })
+    })
+}
+
+/// Accepts connections until cancelled, then drains them gracefully.
+fn serve(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    handler: Handler,
+    cancel: CancellationToken,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let graceful = GracefulShutdown::new();
+        let builder = auto::Builder::new(TokioExecutor::new());
+        let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        loop {
+            let permit = tokio::select! {
+                _ = cancel.cancelled() => break,
+                p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            };
+            let (stream, peer) = tokio::select! {
+                _ = cancel.cancelled() => break,
+                r = listener.accept() => match r {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        continue;
+                    }
+                },
+            };
+            let _ = stream.set_nodelay(true);
+            let handler = handler.clone();
+            let svc = hyper::service::service_fn(move |req| {
+                let fut = handler(req);
+                async move { Ok::<_, Infallible>(fut.await) }
+            });
+            match &tls {
+                None => {
+                    let conn = graceful.watch(
+                        builder
+                            .serve_connection(TokioIo::new(stream), svc)
+                            .into_owned(),
+                    );
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            tracing::debug!(%peer, error = %e, "connection ended with an error");
+                        }
+                        drop(permit);
+                    });
+                }
+                Some(acceptor) => {
+                    // The handshake runs in the connection's task, never in the accept loop.
+                    let (acceptor, builder, watcher) =
+                        (acceptor.clone(), builder.clone(), graceful.watcher());
+                    tokio::spawn(async move {
+                        match acceptor.accept(stream).await {
+                            Ok(tls) => {
+                                let conn = builder
+                                    .serve_connection(TokioIo::new(tls), svc)
+                                    .into_owned();
+                                if let Err(e) = watcher.watch(conn).await {
+                                    tracing::debug!(%peer, error = %e, "connection ended with an error");
+                                }
+                            }
+                            Err(e) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                        }
+                        drop(permit);
+                    });
+                }
+            }
+        }
+        drop(listener);
+        graceful.shutdown().await;
+    })
+}
+
+fn tls_acceptor(files: &crate::config::TlsFiles) -> anyhow::Result<TlsAcceptor> {
+    let cert_pem = std::fs::read(&files.cert)
+        .with_context(|| format!("cannot read {}", files.cert.display()))?;
+    let key_pem = std::fs::read(&files.key)
+        .with_context(|| format!("cannot read {}", files.key.display()))?;
+    let certs = rustls_pemfile::certs(&mut cert_pem.as_slice()).collect::<Result<Vec<_>, _>>()?;
+    let key = rustls_pemfile::private_key(&mut key_pem.as_slice())?
+        .with_context(|| format!("no private key in {}", files.key.display()))?;
+    let mut cfg = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()?
+    .with_no_client_auth()
+    .with_single_cert(certs, key)?;
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(cfg)))
+}

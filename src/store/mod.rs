@@ -1,0 +1,221 @@
+//! The durable store: a trait with few, raw methods, and its backends.
+//!
+//! Records are keyed by (upstream, scope, key) where scope is the SHA-256 of the credential
+//! headers. A record moves `in_flight → completed | released | unknown`; every reservation
+//! bumps its `epoch`, and `finish`/`renew` are fenced on it, so an owner that lost its record
+//! (lease expired, taken over) can never overwrite the new holder's outcome.
+
+pub mod codec;
+pub mod sqlite;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Milliseconds since the Unix epoch: the store's clock unit.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+pub fn after_ms(d: Duration) -> i64 {
+    now_ms().saturating_add(d.as_millis() as i64)
+}
+
+/// The identity of a stored key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ScopedKey {
+    pub upstream: String,
+    /// Hex SHA-256 of the credential headers.
+    pub scope: String,
+    pub key: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyState {
+    InFlight,
+    Completed,
+    Released,
+    Unknown,
+}
+
+impl KeyState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyState::InFlight => "in_flight",
+            KeyState::Completed => "completed",
+            KeyState::Released => "released",
+            KeyState::Unknown => "unknown",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<KeyState> {
+        Some(match s {
+            "in_flight" => KeyState::InFlight,
+            "completed" => KeyState::Completed,
+            "released" => KeyState::Released,
+            "unknown" => KeyState::Unknown,
+            _ => return None,
+        })
+    }
+}
+
+/// An upstream answer as stored and replayed: status, end-to-end headers, body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredResponse {
+    pub status: u16,
+    pub headers: Vec<(String, Bytes)>,
+    pub body: Bytes,
+}
+
+/// A stored key.
+#[derive(Debug, Clone)]
+pub struct KeyRecord {
+    pub id: ScopedKey,
+    pub fingerprint: String,
+    pub route: String,
+    pub entities: Vec<String>,
+    pub state: KeyState,
+    pub owner: Option<String>,
+    pub lease_until: i64,
+    pub epoch: i64,
+    /// How many times the key was reserved (forwarded or about to be).
+    pub attempts: i64,
+    pub response: Option<StoredResponse>,
+    pub created_at: i64,
+    pub updated_at: i64,
+    pub expires_at: Option<i64>,
+}
+
+impl KeyRecord {
+    /// What the pipeline should treat this record as, now: an in-flight record whose lease ran
+    /// out was abandoned by a dead owner, so its outcome is unknown.
+    pub fn effective_state(&self, now: i64) -> KeyState {
+        match self.state {
+            KeyState::InFlight if self.lease_until < now => KeyState::Unknown,
+            // A completed key past its retention is as good as gone (purge lags behind).
+            KeyState::Completed if self.expires_at.is_some_and(|e| e < now) => KeyState::Released,
+            s => s,
+        }
+    }
+}
+
+/// A request to own a key and forward it.
+#[derive(Debug, Clone)]
+pub struct Reservation {
+    pub id: ScopedKey,
+    pub fingerprint: String,
+    pub route: String,
+    pub entities: Vec<String>,
+    pub owner: String,
+    pub lease_until: i64,
+    /// Take over `unknown` (and abandoned in-flight) records: only when the upstream dedupes
+    /// by the key we send (`native_idempotency_header`).
+    pub take_unknown: bool,
+}
+
+#[derive(Debug)]
+pub enum Reserved {
+    /// Ours, with this fencing epoch.
+    Owned { epoch: i64 },
+    /// Someone else's record stands; the pipeline decides (replay, wait, 409, 422).
+    Existing(Box<KeyRecord>),
+}
+
+/// How a forward ended.
+#[derive(Debug, Clone)]
+pub enum Finish {
+    Completed {
+        response: StoredResponse,
+        expires_at: i64,
+    },
+    Released,
+    Unknown,
+}
+
+/// Filters for `keys list`.
+#[derive(Debug, Default, Clone)]
+pub struct KeyFilter {
+    pub entity: Option<String>,
+    pub state: Option<KeyState>,
+    pub limit: i64,
+}
+
+/// A store failure. Always surfaces as `503 store_unavailable` on the request path.
+#[derive(Debug)]
+pub struct StoreError(pub String);
+
+impl std::fmt::Display for StoreError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for StoreError {}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        StoreError(e.to_string())
+    }
+}
+
+impl From<sqlx::migrate::MigrateError> for StoreError {
+    fn from(e: sqlx::migrate::MigrateError) -> Self {
+        StoreError(format!("migration failed: {e}"))
+    }
+}
+
+pub type StoreResult<T> = Result<T, StoreError>;
+
+/// The store interface both backends implement.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// `sqlite` or `postgres`, for logs.
+    fn backend(&self) -> &'static str;
+
+    /// Reads one record.
+    async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>>;
+
+    /// Atomically makes the key ours (absent, released, expired — or unknown when
+    /// `take_unknown`), committed durably before it returns; else returns what stands.
+    async fn reserve(&self, r: Reservation) -> StoreResult<Reserved>;
+
+    /// Records the outcome if we still own `epoch`; `false` when fenced off.
+    async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool>;
+
+    /// Extends our lease while the upstream call runs; `false` when fenced off.
+    async fn renew(&self, id: &ScopedKey, epoch: i64, lease_until: i64) -> StoreResult<bool>;
+
+    /// Operator release: every record with this key (any upstream or scope) that is not live
+    /// in flight becomes forwardable again. Returns how many.
+    async fn release_key(&self, key: &str) -> StoreResult<u64>;
+
+    /// Every record with this key, any upstream or scope.
+    async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>>;
+
+    async fn list_keys(&self, filter: &KeyFilter) -> StoreResult<Vec<KeyRecord>>;
+
+    /// Whether the store answers (readiness).
+    async fn ping(&self) -> StoreResult<()>;
+
+    /// Closes connections; pending writes are flushed first.
+    async fn close(&self);
+}
+
+/// Opens the store named by `url` and applies its migrations.
+pub async fn open(
+    url: &str,
+    lease: Duration,
+    exclusive: bool,
+) -> StoreResult<std::sync::Arc<dyn Store>> {
+    if url.starts_with("sqlite:") {
+        let s = sqlite::SqliteStore::open(url, lease, exclusive).await?;
+        Ok(std::sync::Arc::new(s))
+    } else {
+        Err(StoreError(format!(
+            "store {url:?}: PostgreSQL support is not built yet; use sqlite://FILE"
+        )))
+    }
+}

@@ -1,0 +1,281 @@
+//! Templates such as `customer:{body.customer}` or `{header.x-workflow-id}:{entity}`.
+//!
+//! Parsed once at config load into [`Template`]; evaluated per request against a
+//! [`RequestView`]. A template that names a missing field fails the request (never a silent
+//! fallback), and a `[*]` step yields several values (one entity each).
+
+use crate::body::BodyPath;
+use http::{HeaderMap, HeaderName};
+use serde_json::Value;
+
+/// Where a template variable reads from.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Source {
+    Path(String),
+    Query(String),
+    Header(HeaderName),
+    Body(BodyPath),
+    Route,
+    Method,
+    Entity,
+    Fingerprint,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Part {
+    Lit(String),
+    Var(Source),
+}
+
+/// A parsed template.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Template {
+    parts: Vec<Part>,
+    text: String,
+}
+
+/// The request as templates see it. Borrowed: building one costs nothing.
+pub struct RequestView<'a> {
+    pub method: &'a str,
+    pub path_params: &'a [(String, String)],
+    pub query: &'a [(String, String)],
+    pub headers: &'a HeaderMap,
+    /// The parsed body (JSON or form); `None` when it is neither.
+    pub body: Option<&'a Value>,
+    pub route: &'a str,
+    /// The request's entities joined by `,`, once known.
+    pub entity: Option<&'a str>,
+    pub fingerprint: Option<&'a str>,
+}
+
+impl Template {
+    /// Parses `text`; `{` and `}` delimit variables (`{{` / `}}` are literal braces).
+    pub fn parse(text: &str) -> Result<Template, String> {
+        let mut parts = Vec::new();
+        let mut lit = String::new();
+        let mut chars = text.char_indices().peekable();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '{' if chars.peek().map(|p| p.1) == Some('{') => {
+                    chars.next();
+                    lit.push('{');
+                }
+                '}' if chars.peek().map(|p| p.1) == Some('}') => {
+                    chars.next();
+                    lit.push('}');
+                }
+                '{' => {
+                    let rest = &text[i + 1..];
+                    let end = rest
+                        .find('}')
+                        .ok_or_else(|| format!("unclosed '{{' in template {text:?}"))?;
+                    let var = &rest[..end];
+                    if !lit.is_empty() {
+                        parts.push(Part::Lit(std::mem::take(&mut lit)));
+                    }
+                    parts.push(Part::Var(parse_source(var)?));
+                    for _ in 0..var.chars().count() + 1 {
+                        chars.next();
+                    }
+                }
+                '}' => return Err(format!("unmatched '}}' in template {text:?}")),
+                c => lit.push(c),
+            }
+        }
+        if !lit.is_empty() {
+            parts.push(Part::Lit(lit));
+        }
+        Ok(Template {
+            parts,
+            text: text.to_owned(),
+        })
+    }
+
+    /// The template as written in the config.
+    pub fn text(&self) -> &str {
+        &self.text
+    }
+
+    /// Every variable source of the template, for load-time checks.
+    pub fn sources(&self) -> impl Iterator<Item = &Source> {
+        self.parts.iter().filter_map(|p| match p {
+            Part::Var(s) => Some(s),
+            Part::Lit(_) => None,
+        })
+    }
+
+    pub fn uses(&self, pred: impl Fn(&Source) -> bool) -> bool {
+        self.sources().any(pred)
+    }
+
+    /// All values of the template (the product of multi-valued variables), or the name of the
+    /// first missing field.
+    pub fn eval(&self, view: &RequestView<'_>) -> Result<Vec<String>, String> {
+        let mut outs = vec![String::new()];
+        for part in &self.parts {
+            match part {
+                Part::Lit(s) => outs.iter_mut().for_each(|o| o.push_str(s)),
+                Part::Var(src) => {
+                    let vals = lookup(src, view)?;
+                    if vals.len() == 1 {
+                        outs.iter_mut().for_each(|o| o.push_str(&vals[0]));
+                    } else {
+                        outs = outs
+                            .iter()
+                            .flat_map(|o| vals.iter().map(move |v| format!("{o}{v}")))
+                            .collect();
+                    }
+                }
+            }
+        }
+        Ok(outs)
+    }
+
+    /// One value: several values are joined with `,` in sorted order.
+    pub fn eval_one(&self, view: &RequestView<'_>) -> Result<String, String> {
+        let mut vals = self.eval(view)?;
+        vals.sort();
+        vals.dedup();
+        Ok(vals.join(","))
+    }
+}
+
+fn parse_source(var: &str) -> Result<Source, String> {
+    let (head, tail) = match var.split_once('.') {
+        Some((h, t)) => (h, Some(t)),
+        None => (var, None),
+    };
+    let need = |what: &str| {
+        tail.filter(|t| !t.is_empty())
+            .ok_or_else(|| format!("{{{var}}}: {what} needs a name, e.g. {{{what}.id}}"))
+    };
+    Ok(match head {
+        "path" => Source::Path(need("path")?.to_owned()),
+        "query" => Source::Query(need("query")?.to_owned()),
+        "header" => {
+            let name = need("header")?;
+            Source::Header(
+                HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes())
+                    .map_err(|_| format!("{{{var}}}: {name:?} is not a header name"))?,
+            )
+        }
+        "body" => Source::Body(BodyPath::parse(need("body")?)?),
+        "route" | "method" | "entity" | "fingerprint" if tail.is_some() => {
+            return Err(format!("{{{var}}}: {head} takes no field"))
+        }
+        "route" => Source::Route,
+        "method" => Source::Method,
+        "entity" => Source::Entity,
+        "fingerprint" => Source::Fingerprint,
+        other => {
+            return Err(format!(
+                "{{{var}}}: unknown source {other:?} (use path, query, header, body, route, method, entity or fingerprint)"
+            ))
+        }
+    })
+}
+
+fn lookup(src: &Source, v: &RequestView<'_>) -> Result<Vec<String>, String> {
+    let found = match src {
+        Source::Path(n) => v
+            .path_params
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, val)| vec![val.clone()]),
+        Source::Query(n) => v
+            .query
+            .iter()
+            .find(|(k, _)| k == n)
+            .map(|(_, val)| vec![val.clone()]),
+        Source::Header(n) => v
+            .headers
+            .get(n)
+            .and_then(|h| h.to_str().ok())
+            .map(|s| vec![s.trim().to_owned()]),
+        Source::Body(p) => v.body.and_then(|b| {
+            let vals = p.strings(b);
+            (!vals.is_empty()).then_some(vals)
+        }),
+        Source::Route => Some(vec![v.route.to_owned()]),
+        Source::Method => Some(vec![v.method.to_owned()]),
+        Source::Entity => v.entity.map(|e| vec![e.to_owned()]),
+        Source::Fingerprint => v.fingerprint.map(|f| vec![f.to_owned()]),
+    };
+    match found {
+        Some(vals) if vals.iter().all(|s| !s.is_empty()) => Ok(vals),
+        _ => Err(source_name(src)),
+    }
+}
+
+/// The variable as written, for error messages.
+pub fn source_name(src: &Source) -> String {
+    match src {
+        Source::Path(n) => format!("path.{n}"),
+        Source::Query(n) => format!("query.{n}"),
+        Source::Header(n) => format!("header.{n}"),
+        Source::Body(p) => format!("body.{p}"),
+        Source::Route => "route".into(),
+        Source::Method => "method".into(),
+        Source::Entity => "entity".into(),
+        Source::Fingerprint => "fingerprint".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn view<'a>(headers: &'a HeaderMap, body: Option<&'a Value>) -> RequestView<'a> {
+        RequestView {
+            method: "POST",
+            path_params: &[],
+            query: &[],
+            headers,
+            body,
+            route: "r",
+            entity: Some("e1"),
+            fingerprint: Some("fp"),
+        }
+    }
+
+    #[test]
+    fn parses_and_evaluates() {
+        let t = Template::parse("contact:{body.inputs[*].id}").unwrap();
+        let body = json!({"inputs": [{"id": "2"}, {"id": 1}]});
+        let h = HeaderMap::new();
+        let v = t.eval(&view(&h, Some(&body))).unwrap();
+        assert_eq!(v, vec!["contact:2", "contact:1"]);
+        let t = Template::parse("{header.X-Wf}:{entity}:{route}:{fingerprint}").unwrap();
+        let mut h = HeaderMap::new();
+        h.insert("x-wf", "w1".parse().unwrap());
+        assert_eq!(t.eval_one(&view(&h, None)).unwrap(), "w1:e1:r:fp");
+    }
+
+    #[test]
+    fn missing_fields_are_errors() {
+        let t = Template::parse("customer:{body.customer}").unwrap();
+        let h = HeaderMap::new();
+        assert_eq!(
+            t.eval(&view(&h, Some(&json!({})))).unwrap_err(),
+            "body.customer"
+        );
+        let t = Template::parse("{header.x-id}").unwrap();
+        assert_eq!(t.eval(&view(&h, None)).unwrap_err(), "header.x-id");
+    }
+
+    #[test]
+    fn bad_templates() {
+        assert!(Template::parse("{nope.x}").is_err());
+        assert!(Template::parse("{body.}").is_err());
+        assert!(Template::parse("{path").is_err());
+        assert!(Template::parse("a}b").is_err());
+        assert!(Template::parse("{route.x}").is_err());
+        assert_eq!(
+            Template::parse("{{x}}")
+                .unwrap()
+                .eval_one(&view(&HeaderMap::new(), None)),
+            Ok("{x}".into())
+        );
+    }
+}

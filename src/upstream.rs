@@ -1,0 +1,168 @@
+//! Pooled upstream clients and header hygiene.
+//!
+//! One hyper-util client per upstream, over rustls with the system roots plus the webpki
+//! roots, plus the upstream's own `ca_file`. Connections are pooled and reused (HTTP/1.1
+//! keep-alive, or HTTP/2 when the upstream offers it by ALPN).
+
+use crate::config::Upstream;
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName};
+use http::{Request, Uri};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper_rustls::HttpsConnector;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Boxed error of bodies in both directions.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body type the proxy sends and answers with: streamed or buffered.
+pub type ProxyBody = BoxBody<Bytes, BoxError>;
+
+/// A buffered body.
+pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed()
+}
+
+/// A client for one upstream.
+pub struct UpstreamClient {
+    pub upstream: Arc<Upstream>,
+    client: Client<HttpsConnector<HttpConnector>, ProxyBody>,
+}
+
+impl UpstreamClient {
+    pub fn new(
+        upstream: Arc<Upstream>,
+        system_roots: &rustls::RootCertStore,
+    ) -> anyhow::Result<Self> {
+        let mut roots = system_roots.clone();
+        if let Some(ca) = &upstream.ca_file {
+            let pem = std::fs::read(ca).map_err(|e| {
+                anyhow::anyhow!(
+                    "upstream {}: cannot read ca_file {}: {e}",
+                    upstream.name,
+                    ca.display()
+                )
+            })?;
+            let mut added = 0;
+            for cert in rustls_pemfile::certs(&mut pem.as_slice()) {
+                let cert = cert.map_err(|e| anyhow::anyhow!("{}: {e}", ca.display()))?;
+                roots.add(cert)?;
+                added += 1;
+            }
+            anyhow::ensure!(added > 0, "{}: no certificates found", ca.display());
+        }
+        let tls = rustls::ClientConfig::builder_with_provider(Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        http.set_nodelay(true);
+        // Connect failures are "never sent": bound them apart from the whole-call timeout.
+        http.set_connect_timeout(Some(upstream.timeout.min(Duration::from_secs(10))));
+        let https = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_all_versions()
+            .wrap_connector(http);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .build(https);
+        Ok(UpstreamClient { upstream, client })
+    }
+
+    /// The absolute upstream URI for an upstream-relative path and query.
+    pub fn uri(&self, path_and_query: &str) -> Result<Uri, http::Error> {
+        let u = &self.upstream;
+        let pq = format!("{}{}", u.base_path, path_and_query);
+        Uri::builder()
+            .scheme(u.scheme.clone())
+            .authority(u.authority.clone())
+            .path_and_query(pq)
+            .build()
+    }
+
+    pub async fn send(
+        &self,
+        req: Request<ProxyBody>,
+    ) -> Result<http::Response<hyper::body::Incoming>, hyper_util::client::legacy::Error> {
+        self.client.request(req).await
+    }
+}
+
+/// The system's trust roots plus the webpki roots, loaded once per process.
+pub fn default_roots() -> rustls::RootCertStore {
+    let mut roots = rustls::RootCertStore::empty();
+    roots.extend(webpki_roots::TLS_SERVER_ROOTS.iter().cloned());
+    let native = rustls_native_certs::load_native_certs();
+    for cert in native.certs {
+        // A broken system certificate must not stop the proxy; webpki roots still apply.
+        let _ = roots.add(cert);
+    }
+    roots
+}
+
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+];
+
+/// Removes hop-by-hop headers (RFC 9110 §7.6.1), including those named by `Connection`.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+    headers.remove(header::UPGRADE);
+}
+
+/// Headers for the upstream request: hop-by-hop removed and `Host` left to the client, which
+/// sets the upstream's authority.
+pub fn request_headers(mut headers: HeaderMap) -> HeaderMap {
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    headers
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_are_stripped() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            "keep-alive, x-secret-hop".parse().unwrap(),
+        );
+        h.insert("x-secret-hop", "1".parse().unwrap());
+        h.insert("keep-alive", "timeout=5".parse().unwrap());
+        h.insert(header::TRANSFER_ENCODING, "chunked".parse().unwrap());
+        h.insert(header::HOST, "proxy".parse().unwrap());
+        h.insert("x-end-to-end", "1".parse().unwrap());
+        let h = request_headers(h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert!(h.contains_key("x-end-to-end"));
+    }
+}
