@@ -9,7 +9,8 @@ use crate::locks::LockGuard;
 use crate::prepare::{self, Input, KeyPlan, Prepared};
 use crate::proxy::{self, AppState, Target};
 use crate::store::{
-    after_ms, now_ms, Finish, KeyRecord, KeyState, Reservation, Reserved, StoredResponse,
+    after_ms, now_ms, EntityLease, Finish, KeyRecord, KeyState, Reservation, Reserved, Store,
+    StoredResponse,
 };
 use crate::upstream::{full, request_headers, ProxyBody, UpstreamClient};
 use bytes::Bytes;
@@ -18,6 +19,8 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
 
 /// What a look-up of the key says to do.
 enum Decision {
@@ -82,54 +85,56 @@ async fn protected(
             .await
             .map_err(|_| in_progress())?
     };
-    let deadline = tokio::time::Instant::now() + route.lock_timeout;
-    let take_unknown = loop {
+    let deadline = Instant::now() + route.lock_timeout;
+    let (entity_guards, leases, epoch) = loop {
+        // Subscribed before reading, so a completion in another replica cannot slip between.
+        let woken = state.store.subscribe_key(&p.id);
         let record = state
             .store
             .get(&p.id)
             .await
             .map_err(|e| store_error(state, e))?;
-        match decide(record.as_ref(), p, upstream, route)? {
+        let take_unknown = match decide(record.as_ref(), p, upstream, route)? {
             Decision::Replay(stored) => return Ok(replay(state, &stored, &p.key)),
-            Decision::Proceed { take_unknown } => break take_unknown,
-            Decision::WaitForeign(until) => wait_foreign(state, until, deadline).await?,
+            Decision::Proceed { take_unknown } => take_unknown,
+            Decision::WaitForeign(until) => {
+                wait_foreign(state, woken, until, deadline).await?;
+                continue;
+            }
+        };
+
+        // Step 3: the entity locks, sorted, within lock_timeout: in this process first, then
+        // across replicas through the store.
+        let (guards, leases) = lock_entities(state, route, p, deadline).await?;
+
+        // Step 4: claim, version and precheck run here, inside the locks (ordered persistence).
+
+        // Step 5: reserve durably; nothing is forwarded before this commit.
+        let reservation = Reservation {
+            id: p.id.clone(),
+            fingerprint: p.fingerprint.clone(),
+            route: route.name.clone(),
+            entities: p.entities.clone(),
+            owner: state.owner.clone(),
+            lease: state.config.store.lease,
+            take_unknown,
+        };
+        let reserved = state.store.reserve(reservation).await;
+        match reserved.map_err(|e| store_error(state, e))? {
+            Reserved::Owned { epoch } => break (guards, leases, epoch),
+            // Another replica got there between our look-up and our reservation.
+            Reserved::Existing(rec) => {
+                drop(guards);
+                leases.release().await;
+                match decide(Some(&rec), p, upstream, route)? {
+                    Decision::Replay(stored) => return Ok(replay(state, &stored, &p.key)),
+                    Decision::WaitForeign(until) => {
+                        wait_foreign(state, woken, until, deadline).await?
+                    }
+                    Decision::Proceed { .. } => {}
+                }
+            }
         }
-    };
-
-    // Step 3: the entity locks, sorted, within lock_timeout.
-    let entity_guards = {
-        let _waiting = state.stats.wait();
-        state
-            .entity_locks
-            .lock_all(&p.entities, route.lock_timeout)
-            .await
-            .map_err(|_| entity_busy(route))?
-    };
-
-    // Step 4: claim, version and precheck run here, inside the locks (ordered persistence).
-
-    // Step 5: reserve durably; nothing is forwarded before this commit.
-    let reservation = Reservation {
-        id: p.id.clone(),
-        fingerprint: p.fingerprint.clone(),
-        route: route.name.clone(),
-        entities: p.entities.clone(),
-        owner: state.owner.clone(),
-        lease_until: after_ms(state.config.store.lease),
-        take_unknown,
-    };
-    let epoch = match state
-        .store
-        .reserve(reservation)
-        .await
-        .map_err(|e| store_error(state, e))?
-    {
-        Reserved::Owned { epoch } => epoch,
-        Reserved::Existing(rec) => match decide(Some(&rec), p, upstream, route)? {
-            Decision::Replay(stored) => return Ok(replay(state, &stored, &p.key)),
-            // Taken by another process between look-up and reservation.
-            _ => return Err(in_progress()),
-        },
     };
 
     // Steps 6–7: forward detached from this connection, store, release, answer.
@@ -157,6 +162,7 @@ async fn protected(
         id: p.id.clone(),
         key: p.key.clone(),
         epoch,
+        leases,
         guards: (slot, entity_guards),
     };
     match state.tracker.spawn(job.run(out)).await {
@@ -210,20 +216,106 @@ fn decide(
     })
 }
 
-/// Waits for another process's in-flight record: until its lease ends or our deadline.
+/// Waits for another process's in-flight record: until it changes (`woken`), its lease ends,
+/// or our deadline passes.
 async fn wait_foreign(
     state: &AppState,
+    woken: Option<watch::Receiver<u64>>,
     until_ms: i64,
-    deadline: tokio::time::Instant,
+    deadline: Instant,
 ) -> ProxyResult<()> {
-    let _waiting = state.stats.wait();
-    let lease_left = Duration::from_millis(until_ms.saturating_sub(now_ms()).max(1) as u64 + 1);
-    let wake = (tokio::time::Instant::now() + lease_left).min(deadline);
-    if tokio::time::Instant::now() >= deadline {
+    if Instant::now() >= deadline {
         return Err(in_progress());
     }
-    tokio::time::sleep_until(wake).await;
+    let _waiting = state.stats.wait();
+    let lease_left = Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64 + 1);
+    let wake = (Instant::now() + lease_left).min(deadline);
+    match woken {
+        Some(mut rx) => {
+            tokio::select! {
+                _ = rx.changed() => {}
+                _ = tokio::time::sleep_until(wake) => {}
+            }
+        }
+        None => tokio::time::sleep_until(wake).await,
+    }
     Ok(())
+}
+
+/// Step 3: local entity locks, then the store's cross-replica leases, all by `deadline`.
+async fn lock_entities(
+    state: &AppState,
+    route: &Route,
+    p: &Prepared,
+    deadline: Instant,
+) -> ProxyResult<(Vec<LockGuard>, StoreLeases)> {
+    let _waiting = state.stats.wait();
+    let left = || deadline.saturating_duration_since(Instant::now());
+    let guards = state
+        .entity_locks
+        .lock_all(&p.entities, left())
+        .await
+        .map_err(|_| entity_busy(route))?;
+    if p.entities.is_empty() {
+        return Ok((guards, StoreLeases::none(state)));
+    }
+    let lease = state.config.store.lease;
+    let held = state
+        .store
+        .lock_entities(&p.entities, &state.owner, lease, left())
+        .await
+        .map_err(|e| store_error(state, e))?
+        .ok_or_else(|| entity_busy(route))?;
+    Ok((
+        guards,
+        StoreLeases {
+            store: state.store.clone(),
+            owner: state.owner.clone(),
+            held,
+        },
+    ))
+}
+
+/// Entity leases held in the store; released on every path, by `release` or on drop.
+struct StoreLeases {
+    store: Arc<dyn Store>,
+    owner: String,
+    held: Vec<EntityLease>,
+}
+
+impl StoreLeases {
+    fn none(state: &AppState) -> StoreLeases {
+        StoreLeases {
+            store: state.store.clone(),
+            owner: state.owner.clone(),
+            held: Vec::new(),
+        }
+    }
+
+    async fn release(mut self) {
+        let held = std::mem::take(&mut self.held);
+        if !held.is_empty() {
+            if let Err(e) = self.store.unlock_entities(&held, &self.owner).await {
+                tracing::warn!(error = %e, "could not release entity leases; they expire after the lease");
+            }
+        }
+    }
+}
+
+impl Drop for StoreLeases {
+    fn drop(&mut self) {
+        let held = std::mem::take(&mut self.held);
+        if held.is_empty() {
+            return;
+        }
+        // An early return or a cancelled task: release in the background.
+        let (store, owner) = (self.store.clone(), self.owner.clone());
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = store.unlock_entities(&held, &owner).await;
+            });
+        }
+    }
 }
 
 /// A forward that runs to completion even if the client hangs up.
@@ -234,6 +326,8 @@ struct Job {
     id: crate::store::ScopedKey,
     key: String,
     epoch: i64,
+    /// Cross-replica entity leases, released right after the outcome is stored.
+    leases: StoreLeases,
     /// Held until the outcome is stored: the key slot and the entity locks.
     guards: (LockGuard, Vec<LockGuard>),
 }
@@ -288,6 +382,7 @@ impl Job {
                 tracing::error!(key = %self.key, error = %e, "could not store the upstream's answer; the key will read as unknown");
             }
         }
+        self.leases.release().await;
         drop(self.guards);
         answer.map(|resp| respond(&resp, &self.key, false))
     }
@@ -303,11 +398,39 @@ impl Job {
             tokio::select! {
                 outcome = &mut call => return outcome,
                 _ = tick.tick() => {
-                    if let Err(e) = self.state.store.renew(&self.id, self.epoch, after_ms(lease)).await {
-                        self.state.stats.on_store_error();
-                        tracing::warn!(key = %self.key, error = %e, "lease renewal failed");
-                    }
+                    self.renew(lease).await;
                 }
+            }
+        }
+    }
+}
+
+impl Job {
+    /// Extends the key's and the entities' leases; failures are logged (the call goes on: it
+    /// cannot be taken back), and a lost lease is reported loudly.
+    async fn renew(&self, lease: Duration) {
+        let store = &self.state.store;
+        match store.renew(&self.id, self.epoch, lease).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::error!(key = %self.key, "lost the key's reservation while the upstream call runs")
+            }
+            Err(e) => {
+                self.state.stats.on_store_error();
+                tracing::warn!(key = %self.key, error = %e, "lease renewal failed");
+            }
+        }
+        match store
+            .renew_entities(&self.leases.held, &self.state.owner, lease)
+            .await
+        {
+            Ok(lost) if lost.is_empty() => {}
+            Ok(lost) => {
+                tracing::error!(key = %self.key, ?lost, "lost entity leases while the upstream call runs")
+            }
+            Err(e) => {
+                self.state.stats.on_store_error();
+                tracing::warn!(key = %self.key, error = %e, "entity lease renewal failed");
             }
         }
     }

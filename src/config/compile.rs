@@ -254,9 +254,11 @@ fn upstreams(
                 format!("upstream {name:?} needs a prefix or a listen address"),
             );
         }
+        // Port 0 asks the OS for a free port: it never collides with another listener.
         if let (Some(l), true) = (
             listen,
-            listen == Some(server.listen) || listen == server.admin_listen,
+            listen.is_some_and(|l| l.port() != 0)
+                && (listen == Some(server.listen) || listen == server.admin_listen),
         ) {
             cx.err(
                 sp.span(),

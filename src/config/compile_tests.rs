@@ -136,3 +136,12 @@ fn key_defaults_follow_the_spec() {
     assert!(cfg.routes[0].key.header.is_none());
     assert!(cfg.routes[0].needs_body);
 }
+
+#[test]
+fn upstream_listen_collides_only_on_a_fixed_port() {
+    let fixed = "[server]\nlisten = \"127.0.0.1:8080\"\n[upstreams.a]\nurl = \"http://x\"\nlisten = \"127.0.0.1:8080\"\n";
+    assert!(first_error(fixed).contains("already used by [server]"));
+    // Port 0 is "any free port" for both: never the same socket.
+    let ephemeral = "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[upstreams.a]\nurl = \"http://x\"\nlisten = \"127.0.0.1:0\"\n";
+    assert!(compile_str(ephemeral).is_ok());
+}

@@ -6,6 +6,8 @@
 //! (lease expired, taken over) can never overwrite the new holder's outcome.
 
 pub mod codec;
+pub mod notify;
+pub mod postgres;
 pub mod sqlite;
 
 use async_trait::async_trait;
@@ -94,7 +96,7 @@ impl KeyRecord {
     /// out was abandoned by a dead owner, so its outcome is unknown.
     pub fn effective_state(&self, now: i64) -> KeyState {
         match self.state {
-            KeyState::InFlight if self.lease_until < now => KeyState::Unknown,
+            KeyState::InFlight if self.lease_until <= now => KeyState::Unknown,
             // A completed key past its retention is as good as gone (purge lags behind).
             KeyState::Completed if self.expires_at.is_some_and(|e| e < now) => KeyState::Released,
             s => s,
@@ -110,7 +112,8 @@ pub struct Reservation {
     pub route: String,
     pub entities: Vec<String>,
     pub owner: String,
-    pub lease_until: i64,
+    /// How long the reservation holds without renewal (the store's clock adds it).
+    pub lease: Duration,
     /// Take over `unknown` (and abandoned in-flight) records: only when the upstream dedupes
     /// by the key we send (`native_idempotency_header`).
     pub take_unknown: bool,
@@ -133,6 +136,13 @@ pub enum Finish {
     },
     Released,
     Unknown,
+}
+
+/// A held cross-process lease on one entity, with its fencing epoch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntityLease {
+    pub entity: String,
+    pub epoch: i64,
 }
 
 /// Filters for `keys list`.
@@ -186,7 +196,41 @@ pub trait Store: Send + Sync + 'static {
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool>;
 
     /// Extends our lease while the upstream call runs; `false` when fenced off.
-    async fn renew(&self, id: &ScopedKey, epoch: i64, lease_until: i64) -> StoreResult<bool>;
+    async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool>;
+
+    /// Interest in changes of a key owned by another process, registered before the caller
+    /// reads the key so no wake-up is lost. `None`: no other process can own keys (SQLite).
+    fn subscribe_key(&self, _id: &ScopedKey) -> Option<tokio::sync::watch::Receiver<u64>> {
+        None
+    }
+
+    /// Takes cross-process leases on `entities` (sorted), waiting up to `timeout`; `None` when
+    /// it ran out. The default suits a one-process store, whose in-process entity locks
+    /// already serialize everything: no lease needed.
+    async fn lock_entities(
+        &self,
+        _entities: &[String],
+        _owner: &str,
+        _lease: Duration,
+        _timeout: Duration,
+    ) -> StoreResult<Option<Vec<EntityLease>>> {
+        Ok(Some(Vec::new()))
+    }
+
+    /// Extends held entity leases; the ones lost (taken over after expiry) are returned.
+    async fn renew_entities(
+        &self,
+        _leases: &[EntityLease],
+        _owner: &str,
+        _lease: Duration,
+    ) -> StoreResult<Vec<String>> {
+        Ok(Vec::new())
+    }
+
+    /// Releases entity leases (fenced: only those still ours) and wakes their waiters.
+    async fn unlock_entities(&self, _leases: &[EntityLease], _owner: &str) -> StoreResult<()> {
+        Ok(())
+    }
 
     /// Operator release: every record with this key (any upstream or scope) that is not live
     /// in flight becomes forwardable again. Returns how many.
@@ -213,9 +257,12 @@ pub async fn open(
     if url.starts_with("sqlite:") {
         let s = sqlite::SqliteStore::open(url, lease, exclusive).await?;
         Ok(std::sync::Arc::new(s))
+    } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        let s = postgres::PgStore::open(url).await?;
+        Ok(std::sync::Arc::new(s))
     } else {
         Err(StoreError(format!(
-            "store {url:?}: PostgreSQL support is not built yet; use sqlite://FILE"
+            "store {url:?}: use sqlite://FILE or postgres://..."
         )))
     }
 }

@@ -42,7 +42,7 @@ type Delivery = Box<dyn FnOnce(Option<&str>) + Send>;
 enum Op {
     Reserve(Reservation, Reply<Reserved>),
     Finish(ScopedKey, i64, Finish, Reply<bool>),
-    Renew(ScopedKey, i64, i64, Reply<bool>),
+    Renew(ScopedKey, i64, Duration, Reply<bool>),
     Release(String, Reply<u64>),
     /// Stop after this batch (sent by `close`, after the last request finished).
     Close(Reply<()>),
@@ -146,7 +146,8 @@ async fn run_batch(conn: &mut SqliteConnection, batch: Vec<Op>) {
                 let res = finish(conn, &id, epoch, outcome, now).await;
                 done.push(deliver(tx, res));
             }
-            Op::Renew(id, epoch, until, tx) => {
+            Op::Renew(id, epoch, lease, tx) => {
+                let until = now.saturating_add(lease.as_millis() as i64);
                 let res = sqlx::query("UPDATE idem_keys SET lease_until = ? WHERE upstream = ? AND scope = ? AND key = ? AND state = 'in_flight' AND epoch = ?")
                     .bind(until).bind(&id.upstream).bind(&id.scope).bind(&id.key).bind(epoch)
                     .execute(&mut *conn).await.map(|r| r.rows_affected() == 1).map_err(StoreError::from);
@@ -209,7 +210,7 @@ async fn reserve(conn: &mut SqliteConnection, r: &Reservation, now: i64) -> Stor
            status = NULL, headers = NULL, body = NULL, expires_at = NULL \
          WHERE idem_keys.state = 'released' \
             OR (idem_keys.state = 'completed' AND idem_keys.expires_at < ?9) \
-            OR (?10 AND (idem_keys.state = 'unknown' OR (idem_keys.state = 'in_flight' AND idem_keys.lease_until < ?9))) \
+            OR (?10 AND (idem_keys.state = 'unknown' OR (idem_keys.state = 'in_flight' AND idem_keys.lease_until <= ?9))) \
          RETURNING epoch",
     )
     .bind(&r.id.upstream)
@@ -219,7 +220,7 @@ async fn reserve(conn: &mut SqliteConnection, r: &Reservation, now: i64) -> Stor
     .bind(&r.route)
     .bind(encode_entities(&r.entities))
     .bind(&r.owner)
-    .bind(r.lease_until)
+    .bind(now.saturating_add(r.lease.as_millis() as i64))
     .bind(now)
     .bind(r.take_unknown)
     .fetch_optional(&mut *conn)
@@ -345,8 +346,8 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn renew(&self, id: &ScopedKey, epoch: i64, lease_until: i64) -> StoreResult<bool> {
-        self.write(|tx| Op::Renew(id.clone(), epoch, lease_until, tx))
+    async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
+        self.write(|tx| Op::Renew(id.clone(), epoch, lease, tx))
             .await
     }
 

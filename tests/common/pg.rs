@@ -1,0 +1,241 @@
+//! A real PostgreSQL for tests: `IDEMPROXY_TEST_PG_URL` when set (a fresh database per test),
+//! else a private throwaway cluster per test (`initdb` + `pg_ctl` from `PATH` or
+//! `/usr/lib/postgresql/*/bin`, in a temp dir, on a free port, as the `postgres` user when
+//! running as root), stopped and removed on drop.
+//!
+//! With no PostgreSQL at all, [`PgServer::start`] says so loudly and returns `None` (the test
+//! skips) — except under `CI=true`, where that is a failure.
+
+use sqlx::Connection;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+static DB_SEQ: AtomicU32 = AtomicU32::new(0);
+
+/// A PostgreSQL server and one fresh database on it for this test.
+pub struct PgServer {
+    /// `postgres://...` of the test's own database.
+    pub url: String,
+    cluster: Option<Cluster>,
+}
+
+struct Cluster {
+    bin: PathBuf,
+    data: PathBuf,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl PgServer {
+    /// A server for this test, or `None` (loudly) when there is no PostgreSQL here.
+    pub async fn start() -> Option<PgServer> {
+        if let Ok(base) = std::env::var("IDEMPROXY_TEST_PG_URL") {
+            let url = fresh_database(&base).await;
+            return Some(PgServer { url, cluster: None });
+        }
+        let Some(bin) = find_bin() else {
+            let msg = "PostgreSQL tests SKIPPED: no IDEMPROXY_TEST_PG_URL and no initdb/pg_ctl on PATH or under /usr/lib/postgresql/*/bin";
+            if std::env::var("CI").is_ok_and(|v| v == "true") {
+                panic!("{msg} (CI=true: this is a failure)");
+            }
+            eprintln!("\n!!!!! {msg} !!!!!\n");
+            return None;
+        };
+        let cluster = Cluster::init(bin);
+        cluster.start();
+        let base = format!("postgres://postgres@127.0.0.1:{}/postgres", cluster.port);
+        let url = fresh_database(&base).await;
+        Some(PgServer {
+            url,
+            cluster: Some(cluster),
+        })
+    }
+
+    /// Whether this test owns the server (and so may stop and start it).
+    pub fn owned(&self) -> bool {
+        self.cluster.is_some()
+    }
+
+    /// Stops the server (fast shutdown): the store becomes unreachable.
+    pub fn stop(&self) {
+        if let Some(c) = &self.cluster {
+            c.pg_ctl(&["stop", "-m", "fast", "-w"]);
+        }
+    }
+
+    /// Starts it again on the same port and data.
+    pub fn restart(&self) {
+        if let Some(c) = &self.cluster {
+            c.start();
+        }
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        if let Some(c) = &self.cluster {
+            c.pg_ctl(&["stop", "-m", "immediate", "-w"]);
+        }
+    }
+}
+
+impl Cluster {
+    fn init(bin: PathBuf) -> Cluster {
+        let dir = tempfile::Builder::new()
+            .prefix("idemproxy-pg")
+            .tempdir()
+            .expect("temp dir for PostgreSQL");
+        chown_to_postgres(dir.path());
+        let data = dir.path().join("data");
+        let port = crate::common::unused_addr().port();
+        let c = Cluster {
+            bin,
+            data,
+            port,
+            _dir: dir,
+        };
+        let out = c
+            .command("initdb")
+            .args([
+                "--no-sync",
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "-E",
+                "UTF8",
+                "-D",
+            ])
+            .arg(&c.data)
+            .output()
+            .expect("run initdb");
+        assert!(
+            out.status.success(),
+            "initdb failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        c
+    }
+
+    fn start(&self) {
+        let opts = format!(
+            "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
+            self.port,
+            self.data.parent().unwrap_or(Path::new("/tmp")).display()
+        );
+        let log = self
+            .data
+            .parent()
+            .unwrap_or(Path::new("/tmp"))
+            .join("pg.log");
+        self.pg_ctl(&[
+            "start",
+            "-w",
+            "-t",
+            "30",
+            "-o",
+            &opts,
+            "-l",
+            &log.display().to_string(),
+        ]);
+    }
+
+    fn pg_ctl(&self, args: &[&str]) {
+        let out = self
+            .command("pg_ctl")
+            .arg("-D")
+            .arg(&self.data)
+            .args(args)
+            .output()
+            .expect("run pg_ctl");
+        if !out.status.success() && !args.contains(&"immediate") {
+            panic!(
+                "pg_ctl {args:?} failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+
+    /// `bin/NAME`, as the postgres user when we are root (initdb refuses root).
+    fn command(&self, name: &str) -> Command {
+        let exe = self.bin.join(name);
+        if is_root() {
+            let mut c = Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(exe);
+            c
+        } else {
+            Command::new(exe)
+        }
+    }
+}
+
+/// Creates a uniquely named database on `base`'s server and returns its URL.
+async fn fresh_database(base: &str) -> String {
+    let name = format!(
+        "idemproxy_test_{}_{}",
+        std::process::id(),
+        DB_SEQ.fetch_add(1, Ordering::Relaxed)
+    );
+    let mut conn = sqlx::PgConnection::connect(base)
+        .await
+        .unwrap_or_else(|e| panic!("connect to PostgreSQL at {base}: {e}"));
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("create database {name}: {e}"));
+    let _ = conn.close().await;
+    with_database(base, &name)
+}
+
+/// `base` with its database name replaced by `name` (query parameters kept).
+fn with_database(base: &str, name: &str) -> String {
+    let (main, query) = match base.split_once('?') {
+        Some((m, q)) => (m, format!("?{q}")),
+        None => (base, String::new()),
+    };
+    let authority_at = main.find("://").map_or(0, |i| i + 3);
+    let server = match main[authority_at..].find('/') {
+        Some(i) => &main[..authority_at + i],
+        None => main,
+    };
+    format!("{server}/{name}{query}")
+}
+
+fn find_bin() -> Option<PathBuf> {
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .map(|e| e.path().join("bin"))
+                .collect()
+        })
+        .unwrap_or_default();
+    candidates.sort();
+    candidates.reverse();
+    if let Some(path) = std::env::var_os("PATH") {
+        candidates.extend(std::env::split_paths(&path));
+    }
+    candidates
+        .into_iter()
+        .find(|d| d.join("initdb").is_file() && d.join("pg_ctl").is_file())
+}
+
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| o.stdout.starts_with(b"0\n") || o.stdout == b"0")
+        .unwrap_or(false)
+}
+
+fn chown_to_postgres(dir: &Path) {
+    if is_root() {
+        let status = Command::new("chown")
+            .args(["-R", "postgres"])
+            .arg(dir)
+            .status()
+            .expect("chown");
+        assert!(status.success(), "chown {} to postgres", dir.display());
+    }
+}

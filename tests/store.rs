@@ -1,0 +1,334 @@
+//! One store test suite, run against SQLite (a real file in a temp dir) and PostgreSQL (a real
+//! server): reservations, fencing, outcomes, operator release, listing, leases.
+
+mod common;
+
+use bytes::Bytes;
+use common::pg::PgServer;
+use idemproxy::store::{
+    self, Finish, KeyFilter, KeyState, Reservation, Reserved, ScopedKey, Store, StoredResponse,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn id(key: &str) -> ScopedKey {
+    ScopedKey {
+        upstream: "api".into(),
+        scope: "s1".into(),
+        key: key.into(),
+    }
+}
+
+fn reservation(key: &str, fp: &str, lease: Duration, take_unknown: bool) -> Reservation {
+    Reservation {
+        id: id(key),
+        fingerprint: fp.into(),
+        route: "r".into(),
+        entities: vec!["customer:1".into(), "customer:2".into()],
+        owner: "test-owner".into(),
+        lease,
+        take_unknown,
+    }
+}
+
+fn answer(n: u8) -> StoredResponse {
+    StoredResponse {
+        status: 201,
+        headers: vec![(
+            "content-type".into(),
+            Bytes::from_static(b"application/json"),
+        )],
+        body: Bytes::from(vec![b'{', n, b'}']),
+    }
+}
+
+fn owned(r: Reserved) -> i64 {
+    match r {
+        Reserved::Owned { epoch } => epoch,
+        Reserved::Existing(rec) => panic!("expected to own the key, found {:?}", rec.state),
+    }
+}
+
+fn existing(r: Reserved) -> KeyState {
+    match r {
+        Reserved::Existing(rec) => rec.state,
+        Reserved::Owned { epoch } => {
+            panic!("expected an existing record, got ownership (epoch {epoch})")
+        }
+    }
+}
+
+const LONG: Duration = Duration::from_secs(60);
+
+async fn suite(s: Arc<dyn Store>) {
+    let far = store::after_ms(Duration::from_secs(3600));
+
+    // One owner per key: the second reservation sees the first.
+    let e1 = owned(
+        s.reserve(reservation("k1", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        existing(
+            s.reserve(reservation("k1", "fp", LONG, false))
+                .await
+                .unwrap()
+        ),
+        KeyState::InFlight
+    );
+    // Even with take_unknown: a live in-flight record is never taken over.
+    assert_eq!(
+        existing(
+            s.reserve(reservation("k1", "fp", LONG, true))
+                .await
+                .unwrap()
+        ),
+        KeyState::InFlight
+    );
+
+    // Completing stores the answer byte for byte; a stale epoch is fenced off.
+    assert!(!s.finish(&id("k1"), e1 + 1, Finish::Unknown).await.unwrap());
+    assert!(s.renew(&id("k1"), e1, LONG).await.unwrap());
+    assert!(s
+        .finish(
+            &id("k1"),
+            e1,
+            Finish::Completed {
+                response: answer(1),
+                expires_at: far
+            }
+        )
+        .await
+        .unwrap());
+    assert!(
+        !s.finish(&id("k1"), e1, Finish::Unknown).await.unwrap(),
+        "finish twice"
+    );
+    assert!(
+        !s.renew(&id("k1"), e1, LONG).await.unwrap(),
+        "renew after finish"
+    );
+    let rec = s.get(&id("k1")).await.unwrap().expect("k1 stored");
+    assert_eq!(rec.state, KeyState::Completed);
+    assert_eq!(rec.response, Some(answer(1)));
+    assert_eq!(rec.entities, vec!["customer:1", "customer:2"]);
+    assert_eq!(rec.attempts, 1);
+    assert_eq!(
+        existing(
+            s.reserve(reservation("k1", "fp", LONG, true))
+                .await
+                .unwrap()
+        ),
+        KeyState::Completed
+    );
+
+    // Released keys are forwardable again, with a new epoch.
+    let e2 = owned(
+        s.reserve(reservation("k2", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    assert!(s.finish(&id("k2"), e2, Finish::Released).await.unwrap());
+    let e2b = owned(
+        s.reserve(reservation("k2", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    assert!(e2b > e2, "a new reservation bumps the epoch");
+    assert!(
+        !s.finish(&id("k2"), e2, Finish::Unknown).await.unwrap(),
+        "the old epoch is fenced"
+    );
+    assert_eq!(s.get(&id("k2")).await.unwrap().unwrap().attempts, 2);
+
+    // Unknown outcomes: only taken over with take_unknown (native idempotency upstreams).
+    let e3 = owned(
+        s.reserve(reservation("k3", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    assert!(s.finish(&id("k3"), e3, Finish::Unknown).await.unwrap());
+    assert_eq!(
+        existing(
+            s.reserve(reservation("k3", "fp", LONG, false))
+                .await
+                .unwrap()
+        ),
+        KeyState::Unknown
+    );
+    owned(
+        s.reserve(reservation("k3", "fp", LONG, true))
+            .await
+            .unwrap(),
+    );
+
+    // An abandoned in-flight record (lease ran out) reads as unknown, and is not retaken
+    // without take_unknown. The lease is zero: it is over as soon as it is written.
+    let e4 = owned(
+        s.reserve(reservation("k4", "fp", Duration::ZERO, false))
+            .await
+            .unwrap(),
+    );
+    let rec = s.get(&id("k4")).await.unwrap().unwrap();
+    assert_eq!(rec.effective_state(store::now_ms() + 1), KeyState::Unknown);
+    assert_eq!(
+        existing(
+            s.reserve(reservation("k4", "fp", LONG, false))
+                .await
+                .unwrap()
+        ),
+        KeyState::InFlight
+    );
+    let e4b = owned(
+        s.reserve(reservation("k4", "fp", LONG, true))
+            .await
+            .unwrap(),
+    );
+    assert!(e4b > e4);
+
+    // Operator release: unknown → released; live in-flight records are left alone.
+    assert_eq!(
+        s.release_key("k4").await.unwrap(),
+        0,
+        "k4 is live in flight"
+    );
+    let e5 = owned(
+        s.reserve(reservation("k5", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    assert!(s.finish(&id("k5"), e5, Finish::Unknown).await.unwrap());
+    assert_eq!(s.release_key("k5").await.unwrap(), 1);
+    assert_eq!(
+        s.get(&id("k5")).await.unwrap().unwrap().state,
+        KeyState::Released
+    );
+    owned(
+        s.reserve(reservation("k5", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+
+    // Scopes are separate records of one key.
+    let mut other = reservation("k1", "fp", LONG, false);
+    other.id.scope = "s2".into();
+    owned(s.reserve(other).await.unwrap());
+    assert_eq!(s.find_key("k1").await.unwrap().len(), 2);
+
+    // Listing by state and entity.
+    let completed = s
+        .list_keys(&KeyFilter {
+            state: Some(KeyState::Completed),
+            entity: Some("customer:2".into()),
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        completed
+            .iter()
+            .map(|r| r.id.key.as_str())
+            .collect::<Vec<_>>(),
+        vec!["k1"]
+    );
+    let none = s
+        .list_keys(&KeyFilter {
+            entity: Some("customer:9".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(none.is_empty());
+    s.ping().await.unwrap();
+    s.close().await;
+}
+
+#[tokio::test]
+async fn sqlite_store_passes_the_suite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("s.db").display());
+    let s = store::open(&url, LONG, false).await.unwrap();
+    suite(s).await;
+}
+
+#[tokio::test]
+async fn postgres_store_passes_the_suite() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let s = store::open(&pg.url, LONG, false).await.unwrap();
+    suite(s).await;
+}
+
+/// Entity leases across two store handles (two replicas): one holder at a time, the waiter
+/// woken by the release without polling, an abandoned lease free after it expires, and the
+/// fencing epoch keeps a stale holder from releasing the new holder's lease.
+#[tokio::test]
+async fn postgres_entity_leases_exclude_and_expire() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let a = store::open(&pg.url, LONG, false).await.unwrap();
+    let b = store::open(&pg.url, LONG, false).await.unwrap();
+    let ents = vec!["slot:1".to_string()];
+    let held = a
+        .lock_entities(&ents, "A", LONG, Duration::ZERO)
+        .await
+        .unwrap()
+        .expect("A takes it");
+    assert!(
+        b.lock_entities(&ents, "B", LONG, Duration::ZERO)
+            .await
+            .unwrap()
+            .is_none(),
+        "B must not"
+    );
+
+    // B waits; A's release wakes it (the wait is far shorter than the lease).
+    let waiter = {
+        let (b, ents) = (b.clone(), ents.clone());
+        tokio::spawn(async move {
+            b.lock_entities(&ents, "B", LONG, Duration::from_secs(20))
+                .await
+        })
+    };
+    a.unlock_entities(&held, "A").await.unwrap();
+    let b_held = waiter
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("B takes it after A's release");
+    assert!(b_held[0].epoch > held[0].epoch);
+
+    // A stale release (A's old epoch) does not free B's lease.
+    a.unlock_entities(&held, "A").await.unwrap();
+    assert!(a
+        .lock_entities(&ents, "A", LONG, Duration::ZERO)
+        .await
+        .unwrap()
+        .is_none());
+    assert_eq!(
+        a.renew_entities(&held, "A", LONG).await.unwrap(),
+        vec!["slot:1".to_string()],
+        "A's lease is lost"
+    );
+    assert!(b
+        .renew_entities(&b_held, "B", LONG)
+        .await
+        .unwrap()
+        .is_empty());
+    b.unlock_entities(&b_held, "B").await.unwrap();
+
+    // A holder that stops renewing (a killed replica) loses the lease after it runs out.
+    let short = a
+        .lock_entities(&ents, "A", Duration::from_millis(300), Duration::ZERO)
+        .await
+        .unwrap()
+        .unwrap();
+    let taken = b
+        .lock_entities(&ents, "B", LONG, Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert!(taken.is_some_and(|t| t[0].epoch > short[0].epoch));
+}
