@@ -1,0 +1,309 @@
+//! Several real `idemproxy serve` processes on one real PostgreSQL behave as one proxy, and
+//! survive faults: a replica SIGKILLed mid-request, PostgreSQL stopped and started.
+
+mod common;
+
+use common::pg::PgServer;
+use common::*;
+use serde_json::json;
+use std::time::{Duration, Instant};
+
+/// Two routes: one with an entity, one keyed only by a derived key (no entity lock at all,
+/// so the reservation alone must keep replicas from forwarding twice).
+fn config(upstream: &RecordingUpstream, pg_url: &str, lease: &str) -> String {
+    format!(
+        r#"{server}
+[store]
+url = "{pg_url}"
+lease = "{lease}"
+
+[upstreams.api]
+url = "{up}"
+prefix = "/api"
+
+[[routes]]
+name = "charge"
+upstream = "api"
+methods = ["POST"]
+path = "/charges"
+entity = "customer:{{body.customer}}"
+
+[[routes]]
+name = "webhook"
+upstream = "api"
+methods = ["POST"]
+path = "/hooks"
+key = {{ header = "", derive = "{{header.x-delivery-id}}" }}
+"#,
+        server = server_section(),
+        up = upstream.url(),
+    )
+}
+
+async fn replicas(n: usize, dir: &TestDir, toml: &str) -> Vec<ProxyProcess> {
+    let path = dir.write_config(toml);
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(ProxyProcess::spawn(&path).await);
+    }
+    out
+}
+
+/// A gauge or counter from a replica's `/metrics`.
+async fn metric(p: &ProxyProcess, name: &str) -> u64 {
+    let text = get(&p.admin_url("/metrics")).await.text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("no metric {name} in:\n{text}"))
+}
+
+/// Waits until `n` requests wait inside the replicas (on a key or an entity).
+async fn wait_for_waiting(ps: &[ProxyProcess], n: u64) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mut sum = 0;
+        for p in ps {
+            sum += metric(p, "idemproxy_waiting").await;
+        }
+        if sum >= n {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out: {sum} of {n} requests waiting in the replicas"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn twenty_identical_requests_over_three_replicas_forward_once() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let upstream = RecordingUpstream::holding().await;
+    let dir = TestDir::new();
+    let ps = replicas(3, &dir, &config(&upstream, &pg.url, "30s")).await;
+    for (path, headers) in [
+        ("/api/charges", vec![("idempotency-key", "pay-1")]),
+        ("/api/hooks", vec![("x-delivery-id", "delivery-1")]),
+    ] {
+        let before = upstream.count();
+        let mut tasks = Vec::new();
+        for i in 0..20 {
+            let url = ps[i % ps.len()].url(path);
+            let headers: Vec<(String, String)> = headers
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            tasks.push(tokio::spawn(async move {
+                let h: Vec<(&str, &str)> = headers
+                    .iter()
+                    .map(|(k, v)| (k.as_str(), v.as_str()))
+                    .collect();
+                post_json(&url, None, &json!({"customer": "cus_1", "amount": 100}), &h).await
+            }));
+        }
+        upstream.wait_for_held(1).await;
+        wait_for_waiting(&ps, 19).await;
+        upstream.release_one();
+        let mut answers = Vec::new();
+        for t in tasks {
+            answers.push(t.await.unwrap());
+        }
+        assert_eq!(
+            upstream.count(),
+            before + 1,
+            "{path}: one forward across replicas"
+        );
+        let first = &answers[0];
+        for a in &answers {
+            a.assert_status(200);
+            assert_eq!(
+                a.body, first.body,
+                "{path}: every answer is the one stored answer"
+            );
+        }
+        assert_eq!(
+            answers
+                .iter()
+                .filter(|a| a.replayed() == Some(true))
+                .count(),
+            19,
+            "{path}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn writes_to_one_entity_never_overlap_across_replicas() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let upstream = RecordingUpstream::builder()
+        .hold()
+        .entity_json("/customer")
+        .start()
+        .await;
+    let dir = TestDir::new();
+    let ps = replicas(2, &dir, &config(&upstream, &pg.url, "30s")).await;
+    let mut tasks = Vec::new();
+    for i in 0..10 {
+        let url = ps[i % 2].url("/api/charges");
+        tasks.push(tokio::spawn(async move {
+            let key = format!("write-{i}");
+            post_json(
+                &url,
+                Some(&key),
+                &json!({"customer": "cus_shared", "n": i}),
+                &[],
+            )
+            .await
+        }));
+    }
+    upstream.wait_for_held(1).await;
+    wait_for_waiting(&ps, 9).await;
+    upstream.release_all();
+    for t in tasks {
+        t.await.unwrap().assert_status(200);
+    }
+    assert_eq!(upstream.count(), 10, "every different key is forwarded");
+    assert_eq!(
+        upstream.max_concurrent("cus_shared"),
+        1,
+        "never two writes to one entity at once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_replica_killed_mid_request_is_never_forwarded_again_and_frees_the_entity() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let upstream = RecordingUpstream::builder()
+        .hold()
+        .entity_json("/customer")
+        .start()
+        .await;
+    let dir = TestDir::new();
+    let mut ps = replicas(2, &dir, &config(&upstream, &pg.url, "1s")).await;
+    let url_a = ps[0].url("/api/charges");
+    let doomed = tokio::spawn(async move {
+        try_request(
+            "POST",
+            &url_a,
+            &[
+                ("content-type", "application/json"),
+                ("idempotency-key", "kill-1"),
+            ],
+            r#"{"customer":"cus_k"}"#,
+        )
+        .await
+    });
+    upstream.wait_for_held(1).await;
+    ps[0].kill().await;
+    assert!(
+        doomed.await.unwrap().is_err(),
+        "the killed replica never answered"
+    );
+    upstream.release_all();
+
+    // The retry on the surviving replica: the key's lease runs out, its outcome is unknown.
+    let b = &ps[1];
+    let retry = post_json(
+        &b.url("/api/charges"),
+        Some("kill-1"),
+        &json!({"customer": "cus_k"}),
+        &[],
+    )
+    .await;
+    retry.assert_status(409);
+    assert_eq!(retry.error_type(), Some("outcome_unknown"));
+    assert_eq!(upstream.count(), 1, "never forwarded a second time");
+
+    // The entity is free again once the dead replica's lease ran out.
+    let other = post_json(
+        &b.url("/api/charges"),
+        Some("kill-2"),
+        &json!({"customer": "cus_k"}),
+        &[],
+    )
+    .await;
+    other.assert_status(200);
+    assert_eq!(upstream.count(), 2);
+    assert_eq!(upstream.max_concurrent("cus_k"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn postgres_stopped_fails_closed_then_recovers_without_a_restart() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    if !pg.owned() {
+        eprintln!("skipping the stop/start test: IDEMPROXY_TEST_PG_URL is not ours to stop");
+        return;
+    }
+    let upstream = RecordingUpstream::start().await;
+    let dir = TestDir::new();
+    let ps = replicas(1, &dir, &config(&upstream, &pg.url, "30s")).await;
+    let p = &ps[0];
+    post_json(
+        &p.url("/api/charges"),
+        Some("up-1"),
+        &json!({"customer": "c"}),
+        &[],
+    )
+    .await
+    .assert_status(200);
+    assert_eq!(upstream.count(), 1);
+
+    pg.stop();
+    for i in 0..3 {
+        let key = format!("down-{i}");
+        let r = post_json(
+            &p.url("/api/charges"),
+            Some(&key),
+            &json!({"customer": "c"}),
+            &[],
+        )
+        .await;
+        r.assert_status(503);
+        assert_eq!(r.error_type(), Some("store_unavailable"));
+    }
+    assert_eq!(
+        upstream.count(),
+        1,
+        "nothing forwarded while the store is down"
+    );
+    get(&p.url("/api/anything")).await.assert_status(200);
+    assert_eq!(upstream.count_method("GET"), 1, "reads keep passing");
+    get(&p.admin_url("/readyz")).await.assert_status(503);
+
+    pg.restart();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while get(&p.admin_url("/readyz")).await.status != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "the proxy did not recover after PostgreSQL came back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = post_json(
+        &p.url("/api/charges"),
+        Some("back-1"),
+        &json!({"customer": "c"}),
+        &[],
+    )
+    .await;
+    r.assert_status(200);
+    assert_eq!(upstream.count_method("POST"), 2);
+    let again = post_json(
+        &p.url("/api/charges"),
+        Some("back-1"),
+        &json!({"customer": "c"}),
+        &[],
+    )
+    .await;
+    assert_eq!(again.replayed(), Some(true));
+    assert_eq!(upstream.count_method("POST"), 2);
+}
