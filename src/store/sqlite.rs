@@ -44,6 +44,8 @@ enum Op {
     Finish(ScopedKey, i64, Finish, Reply<bool>),
     Renew(ScopedKey, i64, Duration, Reply<bool>),
     Release(String, Reply<u64>),
+    /// A write that proves the file can still be written (readiness).
+    Probe(Reply<()>),
     /// Stop after this batch (sent by `close`, after the last request finished).
     Close(Reply<()>),
 }
@@ -159,6 +161,15 @@ async fn run_batch(conn: &mut SqliteConnection, batch: Vec<Op>) {
                     .execute(&mut *conn).await.map(|r| r.rows_affected()).map_err(StoreError::from);
                 done.push(deliver(tx, res));
             }
+            Op::Probe(tx) => {
+                let res = sqlx::query("INSERT INTO idem_probe (id, at) VALUES (1, ?) ON CONFLICT (id) DO UPDATE SET at = excluded.at")
+                    .bind(now)
+                    .execute(&mut *conn)
+                    .await
+                    .map(|_| ())
+                    .map_err(StoreError::from);
+                done.push(deliver(tx, res));
+            }
             Op::Close(tx) => done.push(deliver(tx, Ok(()))),
         }
     }
@@ -194,7 +205,7 @@ impl Op {
             Op::Finish(_, _, _, tx) => drop(tx.send(Err(err()))),
             Op::Renew(_, _, _, tx) => drop(tx.send(Err(err()))),
             Op::Release(_, tx) => drop(tx.send(Err(err()))),
-            Op::Close(tx) => drop(tx.send(Err(err()))),
+            Op::Probe(tx) | Op::Close(tx) => drop(tx.send(Err(err()))),
         }
     }
 }
@@ -381,10 +392,7 @@ impl Store for SqliteStore {
 
     async fn ping(&self) -> StoreResult<()> {
         sqlx::query("SELECT 1").execute(&self.reads).await?;
-        if self.writes.is_closed() {
-            return Err(StoreError("the SQLite writer has stopped".into()));
-        }
-        Ok(())
+        self.write(Op::Probe).await
     }
 
     async fn close(&self) {
