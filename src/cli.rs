@@ -163,7 +163,13 @@ fn explain(
             std::io::stdin().read_to_end(&mut buf)?;
             Some(buf.into())
         }
-        Some(b) if b.starts_with('@') => Some(std::fs::read(Path::new(&b[1..]))?.into()),
+        Some(b) if b.starts_with('@') => {
+            let path = Path::new(&b[1..]);
+            let bytes = std::fs::read(path).map_err(|e| {
+                anyhow::anyhow!("cannot read the body file {}: {e}", path.display())
+            })?;
+            Some(bytes.into())
+        }
         Some(text) => Some(bytes::Bytes::copy_from_slice(text.as_bytes())),
     };
     let report =

@@ -10,6 +10,7 @@
 //! - [`pipeline`]: the protected-request pipeline, SPEC.md steps 1–7 as named steps of one
 //!   function: prepare, look up, lock, check, reserve, forward, store.
 //! - [`prepare`]: step 1 — body, key, fingerprint, entities, version (shared with `explain`).
+//! - [`checks`]: step 4 — claim, version fencing and precheck, inside the entity locks.
 //! - [`forward`]: the detached upstream call of a protected request and its outcome table.
 //! - [`upstream`]: the pooled upstream clients (rustls, per-upstream trust roots) and header
 //!   hygiene (hop-by-hop stripping, `Host`).
@@ -27,6 +28,7 @@
 
 pub mod admin;
 pub mod body;
+pub mod checks;
 pub mod cli;
 pub mod config;
 pub mod error;

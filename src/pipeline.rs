@@ -2,6 +2,7 @@
 //! place. Each step is a named function returning a decision or an error; [`run`] strings them
 //! together with `?` and [`crate::proxy::handle`] turns errors into JSON answers.
 
+use crate::checks;
 use crate::config::{InFlight, Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::forward::{self, Outcome};
@@ -9,8 +10,8 @@ use crate::locks::LockGuard;
 use crate::prepare::{self, Input, KeyPlan, Prepared};
 use crate::proxy::{self, AppState, Target};
 use crate::store::{
-    after_ms, now_ms, EntityLease, Finish, KeyRecord, KeyState, Reservation, Reserved, Store,
-    StoredResponse,
+    after_ms, now_ms, Effects, EntityLease, Finish, KeyRecord, KeyState, Reservation, Reserved,
+    Store, StoredResponse,
 };
 use crate::upstream::{full, request_headers, ProxyBody, UpstreamClient};
 use bytes::Bytes;
@@ -107,7 +108,15 @@ async fn protected(
         // across replicas through the store.
         let (guards, leases) = lock_entities(state, route, p, deadline).await?;
 
-        // Step 4: claim, version and precheck run here, inside the locks (ordered persistence).
+        // Step 4: claim, version and precheck, inside the locks (ordered persistence).
+        let client = proxy::client(state, upstream)?;
+        checks::run(state.store.as_ref(), route, p, client, &parts.headers)
+            .await
+            .inspect_err(|e| {
+                if e.kind == ErrorKind::StoreUnavailable {
+                    state.stats.on_store_error();
+                }
+            })?;
 
         // Step 5: reserve durably; nothing is forwarded before this commit.
         let reservation = Reservation {
@@ -162,6 +171,8 @@ async fn protected(
         id: p.id.clone(),
         key: p.key.clone(),
         epoch,
+        entities: p.entities.clone(),
+        version: p.version,
         leases,
         guards: (slot, entity_guards),
     };
@@ -326,6 +337,9 @@ struct Job {
     id: crate::store::ScopedKey,
     key: String,
     epoch: i64,
+    /// The request's entities and version, for the effects of a 2xx answer.
+    entities: Vec<String>,
+    version: Option<i64>,
     /// Cross-replica entity leases, released right after the outcome is stored.
     leases: StoreLeases,
     /// Held until the outcome is stored: the key slot and the entity locks.
@@ -353,6 +367,7 @@ impl Job {
                     Finish::Completed {
                         response: resp.clone(),
                         expires_at,
+                        effects: self.effects(resp.status),
                     },
                     Ok(resp),
                 )
@@ -406,6 +421,25 @@ impl Job {
 }
 
 impl Job {
+    /// What a successful answer does to the entities: record the version, take or release
+    /// the claim. Nothing for other statuses.
+    fn effects(&self, status: u16) -> Effects {
+        let route = &self.route;
+        if !(200..300).contains(&status) {
+            return Effects::default();
+        }
+        Effects {
+            entities: self.entities.clone(),
+            version: self.version,
+            claim_until: route
+                .claim
+                .then(|| after_ms(route.claim_ttl.unwrap_or(Duration::from_secs(86_400)))),
+            release_claim: route.release_claim,
+            leases: self.leases.held.clone(),
+            owner: self.state.owner.clone(),
+        }
+    }
+
     /// Extends the key's and the entities' leases; failures are logged (the call goes on: it
     /// cannot be taken back), and a lost lease is reported loudly.
     async fn renew(&self, lease: Duration) {

@@ -27,6 +27,8 @@ pub struct Prepared {
     /// Sorted, unique.
     pub entities: Vec<String>,
     pub version: Option<i64>,
+    /// The precheck's upstream path (and query), when the route has a precheck.
+    pub precheck_path: Option<String>,
 }
 
 /// What to do with a mutating request, decided before its body is read.
@@ -174,6 +176,16 @@ pub fn prepare(
             })?)
         }
     };
+    let precheck_path = match &route.precheck {
+        None => None,
+        Some(pc) => Some(pc.path.eval_one(&view).map_err(|field| {
+            ProxyError::new(
+                ErrorKind::EntityMissing,
+                format!("the precheck path needs {{{field}}}, which the request lacks"),
+            )
+            .with_key(&key)
+        })?),
+    };
     let id = ScopedKey {
         upstream: upstream.name.clone(),
         scope: key::scope_hash(input.headers, &upstream.scope_headers),
@@ -186,5 +198,6 @@ pub fn prepare(
         fingerprint,
         entities,
         version,
+        precheck_path,
     })
 }

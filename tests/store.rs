@@ -96,7 +96,8 @@ async fn suite(s: Arc<dyn Store>) {
             e1,
             Finish::Completed {
                 response: answer(1),
-                expires_at: far
+                expires_at: far,
+                effects: Default::default(),
             }
         )
         .await

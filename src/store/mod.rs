@@ -8,7 +8,10 @@
 pub mod codec;
 pub mod notify;
 pub mod postgres;
+mod records;
 pub mod sqlite;
+
+pub use records::{AuditRow, Claim, Effects, EntityState};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -133,6 +136,8 @@ pub enum Finish {
     Completed {
         response: StoredResponse,
         expires_at: i64,
+        /// Version and claim changes, for 2xx answers.
+        effects: Effects,
     },
     Released,
     Unknown,
@@ -240,6 +245,26 @@ pub trait Store: Send + Sync + 'static {
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>>;
 
     async fn list_keys(&self, filter: &KeyFilter) -> StoreResult<Vec<KeyRecord>>;
+
+    /// The stored state of these entities (those the store has never seen are left out).
+    async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>>;
+
+    /// Operator release of an entity's claim; `false` when it had none.
+    async fn release_claim(&self, entity: &str) -> StoreResult<bool>;
+
+    /// Appends audit rows (called in batches, off the request path).
+    async fn append_audit(&self, rows: Vec<AuditRow>) -> StoreResult<()>;
+
+    /// The newest audit rows touching `entity`.
+    async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>>;
+
+    /// The newest audit rows of `key` (any upstream or scope).
+    async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>>;
+
+    /// Deletes up to `batch` rows of each kind past retention: completed keys past their
+    /// `expires_at`, released keys last touched before `released_before`, audit rows past
+    /// their `expires_at`, lapsed claims. Returns how many rows went.
+    async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64>;
 
     /// Whether the store answers (readiness).
     async fn ping(&self) -> StoreResult<()>;

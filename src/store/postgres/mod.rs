@@ -14,6 +14,8 @@
 //! - **Clock**: every lease is computed and compared on the database's clock, so replicas with
 //!   skewed clocks still agree on who holds what.
 
+mod ordered;
+
 use super::codec::{decode_headers, encode_headers};
 use super::notify::{entity_topic, key_topic, Hub};
 use super::*;
@@ -220,20 +222,25 @@ impl Store for PgStore {
     }
 
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        let (state, status, headers, body, expires) = match outcome {
+        let (state, status, headers, body, expires, effects) = match outcome {
             Finish::Completed {
                 response,
                 expires_at,
+                effects,
             } => (
                 "completed",
                 Some(response.status as i32),
                 Some(encode_headers(&response.headers)),
                 Some(response.body),
                 Some(expires_at),
+                effects,
             ),
-            Finish::Released => ("released", None, None, None, None),
-            Finish::Unknown => ("unknown", None, None, None, None),
+            Finish::Released => ("released", None, None, None, None, Effects::default()),
+            Finish::Unknown => ("unknown", None, None, None, None, Effects::default()),
         };
+        // One transaction: the answer and its effects stand or fall together; the
+        // notification goes out at commit.
+        let mut tx = self.pool.begin().await?;
         let rows = sqlx::query(&format!(
             "WITH u AS (UPDATE idem_keys SET state = $1, status = $2, headers = $3, body = $4, expires_at = $5, \
                owner = NULL, updated_at = {NOW} \
@@ -250,9 +257,14 @@ impl Store for PgStore {
         .bind(&id.scope)
         .bind(&id.key)
         .bind(epoch)
-        .fetch_all(&self.pool)
+        .fetch_all(&mut *tx)
         .await?;
-        Ok(rows.len() == 1)
+        let owned = rows.len() == 1;
+        if owned && !effects.is_empty() {
+            ordered::apply_effects(&mut tx, id, &effects).await?;
+        }
+        tx.commit().await?;
+        Ok(owned)
     }
 
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
@@ -399,6 +411,36 @@ impl Store for PgStore {
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(decode).collect()
+    }
+
+    async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
+        ordered::entity_states(&self.pool, entities).await
+    }
+
+    async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
+        ordered::release_claim(&self.pool, entity).await
+    }
+
+    async fn append_audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
+        ordered::append_audit(&self.pool, &rows).await
+    }
+
+    async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
+        ordered::audit_where(
+            &self.pool,
+            "entities @> jsonb_build_array($1::text)",
+            entity,
+            limit,
+        )
+        .await
+    }
+
+    async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
+        ordered::audit_where(&self.pool, "key = $1", key, limit).await
+    }
+
+    async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64> {
+        ordered::purge(&self.pool, batch, released_before).await
     }
 
     async fn ping(&self) -> StoreResult<()> {

@@ -1,0 +1,71 @@
+//! Records of ordered persistence and of the audit trail.
+
+use super::ScopedKey;
+
+/// What the store knows of one entity.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EntityState {
+    pub entity: String,
+    /// The last version accepted with a 2xx answer.
+    pub version: Option<i64>,
+    /// The key that owns the entity (claim-first), while the claim lasts.
+    pub claim: Option<Claim>,
+    pub updated_at: i64,
+}
+
+/// A claim: the first key to succeed owns the entity until `until` (ms).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Claim {
+    pub owner: ScopedKey,
+    pub until: i64,
+}
+
+/// What a successful (2xx) write does to its entities, applied in the same transaction as
+/// the stored answer and only while the writer still owns its key (and, across replicas, its
+/// entity leases) — so a replica that lost its lease cannot advance a version or claim.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Effects {
+    pub entities: Vec<String>,
+    /// Record this version on every entity.
+    pub version: Option<i64>,
+    /// Claim every entity for the writing key until this time (ms).
+    pub claim_until: Option<i64>,
+    /// Release every entity's claim.
+    pub release_claim: bool,
+    /// The writer's entity leases (empty on a one-process store) and their owner.
+    pub leases: Vec<super::EntityLease>,
+    pub owner: String,
+}
+
+impl Effects {
+    pub fn is_empty(&self) -> bool {
+        self.entities.is_empty()
+            || (self.version.is_none() && self.claim_until.is_none() && !self.release_claim)
+    }
+
+    /// The fencing epoch of our lease on `entity`, if the store uses leases.
+    pub fn lease_epoch(&self, entity: &str) -> Option<i64> {
+        self.leases
+            .iter()
+            .find(|l| l.entity == entity)
+            .map(|l| l.epoch)
+    }
+}
+
+/// One protected request, as the audit trail keeps it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AuditRow {
+    pub at: i64,
+    pub upstream: String,
+    pub route: String,
+    pub entities: Vec<String>,
+    pub key: Option<String>,
+    pub fingerprint: Option<String>,
+    /// `forwarded`, `replayed`, `released`, `unknown`, or the error type.
+    pub decision: String,
+    pub upstream_status: Option<u16>,
+    pub total_ms: i64,
+    pub lock_wait_ms: i64,
+    pub upstream_ms: Option<i64>,
+    pub expires_at: i64,
+}
