@@ -3,7 +3,7 @@
 
 use crate::error::{ErrorKind, ProxyError};
 use crate::proxy::AppState;
-use crate::store::{now_ms, KeyRecord};
+use crate::store::{now_ms, AuditRow, KeyRecord, Store, StoreResult};
 use crate::upstream::{full, ProxyBody};
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
@@ -78,20 +78,94 @@ async fn admin_api(state: &AppState, method: &Method, path: &str) -> Response<Pr
         .collect();
     let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
     let result = match (method, segs.as_slice()) {
-        (&Method::GET, ["keys", key]) => state.store.find_key(key).await.map(|records| {
-            if records.is_empty() {
-                error(ProxyError::new(ErrorKind::NotFound, format!("no key {key:?}")))
-            } else {
-                json_response(StatusCode::OK, json!({"key": key, "records": records.iter().map(record_json).collect::<Vec<_>>()}))
-            }
-        }),
+        (&Method::GET, ["keys", key]) => {
+            key_report(state.store.as_ref(), key)
+                .await
+                .map(|report| match report {
+                    Some(r) => json_response(StatusCode::OK, r),
+                    None => error(ProxyError::new(
+                        ErrorKind::NotFound,
+                        format!("no key {key:?}"),
+                    )),
+                })
+        }
+        (&Method::GET, ["entities", entity]) => entity_report(state.store.as_ref(), entity)
+            .await
+            .map(|r| json_response(StatusCode::OK, r)),
+        (&Method::DELETE, ["claims", entity]) => {
+            state.store.release_claim(entity).await.map(|released| {
+                tracing::info!(entity, released, "claim released by the admin API");
+                json_response(
+                    StatusCode::OK,
+                    json!({"entity": entity, "released": released}),
+                )
+            })
+        }
         (&Method::POST, ["keys", key, "release"]) => state.store.release_key(key).await.map(|n| {
             tracing::info!(key, released = n, "key released by the admin API");
             json_response(StatusCode::OK, json!({"key": key, "released": n}))
         }),
-        _ => Ok(error(ProxyError::new(ErrorKind::NotFound, format!("no admin endpoint {method} {path}")))),
+        _ => Ok(error(ProxyError::new(
+            ErrorKind::NotFound,
+            format!("no admin endpoint {method} {path}"),
+        ))),
     };
     result.unwrap_or_else(|e| error(ProxyError::store(e)))
+}
+
+/// Most audit rows shown with a key or an entity.
+const HISTORY: i64 = 100;
+
+/// Every record of a key and its attempts (audit rows, newest first); `None` if unknown.
+pub async fn key_report(store: &dyn Store, key: &str) -> StoreResult<Option<Value>> {
+    let records = store.find_key(key).await?;
+    if records.is_empty() {
+        return Ok(None);
+    }
+    let attempts = store.audit_for_key(key, HISTORY).await?;
+    Ok(Some(json!({
+        "key": key,
+        "records": records.iter().map(record_json).collect::<Vec<_>>(),
+        "attempts": attempts.iter().map(audit_json).collect::<Vec<_>>(),
+    })))
+}
+
+/// An entity's version, claim and audit history (newest first).
+pub async fn entity_report(store: &dyn Store, entity: &str) -> StoreResult<Value> {
+    let state = store
+        .entity_states(&[entity.to_owned()])
+        .await?
+        .into_iter()
+        .next();
+    let history = store.audit_for_entity(entity, HISTORY).await?;
+    let now = now_ms();
+    let claim = state
+        .as_ref()
+        .and_then(|s| s.claim.as_ref())
+        .filter(|c| c.until > now);
+    Ok(json!({
+        "entity": entity,
+        "version": state.as_ref().and_then(|s| s.version),
+        "claim": claim.map(|c| json!({"key": c.owner.key, "upstream": c.owner.upstream, "until_ms": c.until})),
+        "history": history.iter().map(audit_json).collect::<Vec<_>>(),
+    }))
+}
+
+/// An audit row as operators see it.
+pub fn audit_json(a: &AuditRow) -> Value {
+    json!({
+        "at_ms": a.at,
+        "upstream": a.upstream,
+        "route": a.route,
+        "entities": a.entities,
+        "key": a.key,
+        "fingerprint": a.fingerprint,
+        "decision": a.decision,
+        "upstream_status": a.upstream_status,
+        "total_ms": a.total_ms,
+        "lock_wait_ms": a.lock_wait_ms,
+        "upstream_ms": a.upstream_ms,
+    })
 }
 
 /// A key record as operators see it (admin API and `idemproxy keys`). Never the credentials:

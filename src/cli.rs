@@ -179,31 +179,42 @@ fn explain(
 }
 
 async fn serve(config: Config) -> anyhow::Result<()> {
+    // The handlers go in before the listeners open: a SIGTERM that arrives right after start-up
+    // must mean a graceful shutdown, not the default action (die at once).
+    let stop = shutdown_signal();
     let server = crate::server::Server::start(config).await?;
-    shutdown_signal().await;
+    stop.await;
     tracing::info!("shutting down: no new connections; letting in-flight upstream calls finish");
     server.shutdown().await;
     Ok(())
 }
 
-async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
+/// Resolves on SIGTERM or Ctrl-C. The handlers are installed when this is called, not when the
+/// future is first polled.
+fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     #[cfg(unix)]
     {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {},
-                    _ = term.recv() => {},
+        use tokio::signal::unix::{signal, SignalKind};
+        let handlers =
+            signal(SignalKind::terminate()).and_then(|t| Ok((t, signal(SignalKind::interrupt())?)));
+        async move {
+            match handlers {
+                Ok((mut term, mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => {},
+                        _ = int.recv() => {},
+                    }
                 }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
+                Err(_) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
         }
     }
     #[cfg(not(unix))]
-    let _ = ctrl_c.await;
+    async {
+        let _ = tokio::signal::ctrl_c().await;
+    }
 }
 
 async fn migrate(config: Config) -> anyhow::Result<()> {
@@ -216,16 +227,13 @@ async fn migrate(config: Config) -> anyhow::Result<()> {
 async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
     let store = crate::store::open(&config.store.url, config.store.lease, false).await?;
     let result = match command {
-        KeysCommand::Show { key } => {
-            let records = store.find_key(&key).await?;
-            if records.is_empty() {
-                Err(anyhow::anyhow!("no key {key:?}"))
-            } else {
-                let out: Vec<_> = records.iter().map(crate::admin::record_json).collect();
-                println!("{}", serde_json::to_string_pretty(&out)?);
+        KeysCommand::Show { key } => match crate::admin::key_report(store.as_ref(), &key).await? {
+            Some(report) => {
+                println!("{}", serde_json::to_string_pretty(&report)?);
                 Ok(())
             }
-        }
+            None => Err(anyhow::anyhow!("no key {key:?}")),
+        },
         KeysCommand::Release { key } => {
             let n = store.release_key(&key).await?;
             println!("released {n} record(s) of key {key:?}");

@@ -20,6 +20,7 @@
 //! - [`key`]: client keys, derived keys, fingerprints, credential scopes.
 //! - [`locks`]: in-process one-holder/many-waiters locks for keys and entities.
 //! - [`store`]: the durable store trait and its SQLite backend (group commit).
+//! - [`audit`]: the audit trail (batched, off the request path) and retention purging.
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
 //! - [`metrics`]: counters shared by the pipeline and the admin listener.
 //! - [`error`]: the one error type of the request path and its mapping to JSON responses.
@@ -27,6 +28,7 @@
 //! - [`explain`]: the dry run behind `idemproxy explain`.
 
 pub mod admin;
+pub mod audit;
 pub mod body;
 pub mod checks;
 pub mod cli;

@@ -1,115 +1,240 @@
-//! Counters shared by the pipeline, tests and the admin listener.
+//! Metrics in Prometheus (OpenMetrics) text, shared by the pipeline, tests and `/metrics`.
 //!
-//! Plain atomics: the hot path pays one relaxed increment per event.
+//! Requests by route and decision, replays, forwards, upstream latency and entity-lock wait
+//! histograms, the in-flight and waiting gauges, store errors. Updating one is an atomic add
+//! (plus a read-locked map look-up for labelled families) on the hot path.
 
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::time::Duration;
 
-/// Process-wide request statistics.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    route: String,
+    decision: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RouteLabels {
+    route: String,
+}
+
+type Histograms = Family<RouteLabels, Histogram, fn() -> Histogram>;
+
+fn seconds_histogram() -> Histogram {
+    // 1 ms … ~32 s.
+    Histogram::new(exponential_buckets(0.001, 2.0, 16))
+}
+
+/// Process-wide request metrics.
 pub struct Stats {
-    protected: AtomicU64,
-    waiting: AtomicU64,
-    forwarded: AtomicU64,
-    replayed: AtomicU64,
-    in_flight: AtomicU64,
-    store_errors: AtomicU64,
+    registry: Registry,
+    protected: Counter,
+    forwarded: Counter,
+    replayed: Counter,
+    store_errors: Counter,
+    audit_dropped: Counter,
+    in_flight: Gauge,
+    waiting: Gauge,
+    requests: Family<RequestLabels, Counter>,
+    upstream_seconds: Histograms,
+    lock_wait_seconds: Histograms,
 }
 
 /// Decrements a gauge when dropped, so early returns and cancellations keep it right.
-pub struct GaugeGuard<'a>(&'a AtomicU64);
+pub struct GaugeGuard(Gauge);
 
-impl Drop for GaugeGuard<'_> {
+impl Drop for GaugeGuard {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Relaxed);
+        self.0.dec();
+    }
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        let s = Stats {
+            registry: Registry::default(),
+            protected: Counter::default(),
+            forwarded: Counter::default(),
+            replayed: Counter::default(),
+            store_errors: Counter::default(),
+            audit_dropped: Counter::default(),
+            in_flight: Gauge::default(),
+            waiting: Gauge::default(),
+            requests: Family::default(),
+            upstream_seconds: Family::new_with_constructor(seconds_histogram),
+            lock_wait_seconds: Family::new_with_constructor(seconds_histogram),
+        };
+        let mut r = s.registry;
+        r.register(
+            "idemproxy_requests",
+            "Protected requests by route and decision",
+            s.requests.clone(),
+        );
+        r.register(
+            "idemproxy_protected_requests",
+            "Protected requests received",
+            s.protected.clone(),
+        );
+        r.register(
+            "idemproxy_forwards",
+            "Protected requests forwarded upstream",
+            s.forwarded.clone(),
+        );
+        r.register(
+            "idemproxy_replays",
+            "Stored answers replayed",
+            s.replayed.clone(),
+        );
+        r.register(
+            "idemproxy_store_errors",
+            "Store operations that failed",
+            s.store_errors.clone(),
+        );
+        r.register(
+            "idemproxy_audit_dropped",
+            "Audit rows dropped (store down or queue full)",
+            s.audit_dropped.clone(),
+        );
+        r.register(
+            "idemproxy_in_flight",
+            "Protected requests at the upstream now",
+            s.in_flight.clone(),
+        );
+        r.register(
+            "idemproxy_waiting",
+            "Requests waiting on a key or an entity lock now",
+            s.waiting.clone(),
+        );
+        r.register(
+            "idemproxy_upstream_latency_seconds",
+            "Upstream answer time of protected requests",
+            s.upstream_seconds.clone(),
+        );
+        r.register(
+            "idemproxy_lock_wait_seconds",
+            "Time spent waiting for entity locks",
+            s.lock_wait_seconds.clone(),
+        );
+        Stats { registry: r, ..s }
     }
 }
 
 impl Stats {
     /// Protected requests received so far.
     pub fn protected(&self) -> u64 {
-        self.protected.load(Relaxed)
+        self.protected.get()
     }
     /// Requests currently waiting on a key or an entity lock.
     pub fn waiting(&self) -> u64 {
-        self.waiting.load(Relaxed)
+        self.waiting.get().max(0) as u64
     }
     pub fn forwarded(&self) -> u64 {
-        self.forwarded.load(Relaxed)
+        self.forwarded.get()
     }
     pub fn replayed(&self) -> u64 {
-        self.replayed.load(Relaxed)
+        self.replayed.get()
     }
     /// Protected requests at the upstream right now.
     pub fn in_flight(&self) -> u64 {
-        self.in_flight.load(Relaxed)
+        self.in_flight.get().max(0) as u64
     }
     pub fn store_errors(&self) -> u64 {
-        self.store_errors.load(Relaxed)
+        self.store_errors.get()
     }
 
     pub(crate) fn on_protected(&self) {
-        self.protected.fetch_add(1, Relaxed);
+        self.protected.inc();
     }
-    pub(crate) fn on_forward(&self) -> GaugeGuard<'_> {
-        self.forwarded.fetch_add(1, Relaxed);
-        self.in_flight.fetch_add(1, Relaxed);
-        GaugeGuard(&self.in_flight)
+    pub(crate) fn on_forward(&self) -> GaugeGuard {
+        self.forwarded.inc();
+        self.in_flight.inc();
+        GaugeGuard(self.in_flight.clone())
     }
     pub(crate) fn on_replay(&self) {
-        self.replayed.fetch_add(1, Relaxed);
+        self.replayed.inc();
     }
     pub(crate) fn on_store_error(&self) {
-        self.store_errors.fetch_add(1, Relaxed);
+        self.store_errors.inc();
     }
-    pub(crate) fn wait(&self) -> GaugeGuard<'_> {
-        self.waiting.fetch_add(1, Relaxed);
-        GaugeGuard(&self.waiting)
+    pub(crate) fn on_audit_dropped(&self, n: u64) {
+        self.audit_dropped.inc_by(n);
+    }
+    pub(crate) fn wait(&self) -> GaugeGuard {
+        self.waiting.inc();
+        GaugeGuard(self.waiting.clone())
+    }
+    /// One finished protected request.
+    pub(crate) fn on_decision(
+        &self,
+        route: &str,
+        decision: &str,
+        lock_wait: Duration,
+        upstream: Option<Duration>,
+    ) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                route: route.to_owned(),
+                decision: decision.to_owned(),
+            })
+            .inc();
+        let labels = RouteLabels {
+            route: route.to_owned(),
+        };
+        self.lock_wait_seconds
+            .get_or_create(&labels)
+            .observe(lock_wait.as_secs_f64());
+        if let Some(u) = upstream {
+            self.upstream_seconds
+                .get_or_create(&labels)
+                .observe(u.as_secs_f64());
+        }
     }
 
-    /// Prometheus text exposition of these counters.
+    /// The OpenMetrics text exposition.
     pub fn render(&self) -> String {
         let mut out = String::new();
-        let mut line = |name: &str, kind: &str, help: &str, v: u64| {
-            out.push_str(&format!(
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n"
-            ));
-        };
-        line(
-            "idemproxy_protected_requests_total",
-            "counter",
-            "Protected requests received.",
-            self.protected(),
-        );
-        line(
-            "idemproxy_forwards_total",
-            "counter",
-            "Protected requests forwarded upstream.",
-            self.forwarded(),
-        );
-        line(
-            "idemproxy_replays_total",
-            "counter",
-            "Stored answers replayed.",
-            self.replayed(),
-        );
-        line(
-            "idemproxy_in_flight",
-            "gauge",
-            "Protected requests at the upstream now.",
-            self.in_flight(),
-        );
-        line(
-            "idemproxy_waiting",
-            "gauge",
-            "Requests waiting on a key or entity lock.",
-            self.waiting(),
-        );
-        line(
-            "idemproxy_store_errors_total",
-            "counter",
-            "Store operations that failed.",
-            self.store_errors(),
-        );
+        if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
+            out.clear();
+        }
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_gauges_and_histograms() {
+        let s = Stats::default();
+        s.on_protected();
+        let g = s.wait();
+        s.on_decision(
+            "charges",
+            "replayed",
+            Duration::from_millis(3),
+            Some(Duration::from_millis(20)),
+        );
+        let text = s.render();
+        assert!(
+            text.contains("idemproxy_protected_requests_total 1"),
+            "{text}"
+        );
+        assert!(text.contains("idemproxy_waiting 1"), "{text}");
+        assert!(
+            text.contains(r#"idemproxy_requests_total{route="charges",decision="replayed"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains("idemproxy_upstream_latency_seconds_bucket"),
+            "{text}"
+        );
+        drop(g);
+        assert_eq!(s.waiting(), 0);
     }
 }

@@ -2,6 +2,7 @@
 //! place. Each step is a named function returning a decision or an error; [`run`] strings them
 //! together with `?` and [`crate::proxy::handle`] turns errors into JSON answers.
 
+use crate::audit::Trace;
 use crate::checks;
 use crate::config::{InFlight, Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
@@ -43,12 +44,39 @@ pub async fn run(
     req: Request<Incoming>,
 ) -> ProxyResult<Response<ProxyBody>> {
     let upstream = target.upstream;
-    let plan = prepare::plan_key(route, req.headers())?;
-    if matches!(plan, KeyPlan::Unprotected) {
-        return proxy::passthrough(state, target, req).await;
-    }
+    let plan = match prepare::plan_key(route, req.headers()) {
+        Ok(KeyPlan::Unprotected) => return proxy::passthrough(state, target, req).await,
+        other => other,
+    };
     state.stats.on_protected();
+    let retention = route.retention.unwrap_or(state.config.store.retention);
+    // The trace becomes the request's audit row: here, or in the forward job if it gets there.
+    let mut trace = Some(Trace::new(&upstream.name, &route.name, retention));
+    let result = match plan {
+        Ok(plan) => traced(state, route, params, target, req, plan, &mut trace).await,
+        Err(e) => Err(e),
+    };
+    if let Some(t) = trace.take() {
+        let decision = match &result {
+            Ok(_) => "replayed",
+            Err(e) => e.kind.as_str(),
+        };
+        t.record(&state.auditor, decision);
+    }
+    result
+}
 
+/// Step 1, then the rest: buffer the body once; evaluate key, fingerprint, entities, version.
+async fn traced(
+    state: &Arc<AppState>,
+    route: &Arc<Route>,
+    params: Vec<(String, String)>,
+    target: &Target<'_>,
+    req: Request<Incoming>,
+    plan: KeyPlan,
+    trace: &mut Option<Trace>,
+) -> ProxyResult<Response<ProxyBody>> {
+    let upstream = target.upstream;
     // Step 1: buffer the body once; evaluate key, fingerprint, entities, version.
     let (parts, body) = req.into_parts();
     let body = read_body(body, &parts.headers, state.config.server.max_body).await?;
@@ -61,8 +89,13 @@ pub async fn run(
         path_params: &params,
     };
     let p = prepare::prepare(upstream, route, plan, &input)?;
+    if let Some(t) = trace.as_mut() {
+        t.key = Some(p.key.clone());
+        t.fingerprint = Some(p.fingerprint.clone());
+        t.entities = p.entities.clone();
+    }
     let key = p.key.clone();
-    let result = protected(state, route, target, &p, parts, body).await;
+    let result = protected(state, route, target, &p, parts, body, trace).await;
     result.map_err(|e| if e.key.is_none() { e.with_key(&key) } else { e })
 }
 
@@ -73,6 +106,7 @@ async fn protected(
     p: &Prepared,
     parts: http::request::Parts,
     body: Bytes,
+    trace: &mut Option<Trace>,
 ) -> ProxyResult<Response<ProxyBody>> {
     let upstream = target.upstream;
     // Step 2: one local request per scoped key at a time; the rest queue here.
@@ -106,7 +140,12 @@ async fn protected(
 
         // Step 3: the entity locks, sorted, within lock_timeout: in this process first, then
         // across replicas through the store.
-        let (guards, leases) = lock_entities(state, route, p, deadline).await?;
+        let waited = Instant::now();
+        let locked = lock_entities(state, route, p, deadline).await;
+        if let Some(t) = trace.as_mut() {
+            t.lock_wait += waited.elapsed();
+        }
+        let (guards, leases) = locked?;
 
         // Step 4: claim, version and precheck, inside the locks (ordered persistence).
         let client = proxy::client(state, upstream)?;
@@ -171,6 +210,7 @@ async fn protected(
         id: p.id.clone(),
         key: p.key.clone(),
         epoch,
+        trace: trace.take(),
         entities: p.entities.clone(),
         version: p.version,
         leases,
@@ -337,6 +377,8 @@ struct Job {
     id: crate::store::ScopedKey,
     key: String,
     epoch: i64,
+    /// Recorded once the outcome is stored.
+    trace: Option<Trace>,
     /// The request's entities and version, for the effects of a 2xx answer.
     entities: Vec<String>,
     version: Option<i64>,
@@ -347,11 +389,22 @@ struct Job {
 }
 
 impl Job {
-    async fn run(self, req: Request<ProxyBody>) -> ProxyResult<Response<ProxyBody>> {
-        let up = &self.client.upstream;
+    async fn run(mut self, req: Request<ProxyBody>) -> ProxyResult<Response<ProxyBody>> {
+        let up = self.client.upstream.clone();
+        let started = Instant::now();
         let outcome = {
             let _in_flight = self.state.stats.on_forward();
             self.call_renewing(req).await
+        };
+        let status = match &outcome {
+            Outcome::Answer(resp) => Some(resp.status),
+            _ => None,
+        };
+        let decision = match &outcome {
+            Outcome::Answer(resp) if up.release_statuses.contains(&resp.status) => "released",
+            Outcome::Answer(_) => "forwarded",
+            Outcome::NotSent(_) => ErrorKind::UpstreamUnreachable.as_str(),
+            Outcome::Unknown(_) => "unknown",
         };
         let (finish, answer) = match outcome {
             Outcome::Answer(resp) if up.release_statuses.contains(&resp.status) => {
@@ -399,6 +452,11 @@ impl Job {
         }
         self.leases.release().await;
         drop(self.guards);
+        if let Some(mut t) = self.trace.take() {
+            t.upstream_time = Some(started.elapsed());
+            t.upstream_status = status;
+            t.record(&self.state.auditor, decision);
+        }
         answer.map(|resp| respond(&resp, &self.key, false))
     }
 

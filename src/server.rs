@@ -2,6 +2,7 @@
 //! inbound TLS, and a graceful shutdown that lets detached upstream calls finish and be stored.
 
 use crate::admin;
+use crate::audit::Auditor;
 use crate::config::Config;
 use crate::locks::LockTable;
 use crate::metrics::Stats;
@@ -19,6 +20,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
@@ -44,6 +46,9 @@ pub struct Server {
     state: Arc<AppState>,
     cancel: CancellationToken,
     loops: Vec<JoinHandle<()>>,
+    /// Stops the audit writer (after it flushed) and the retention task.
+    background_stop: CancellationToken,
+    background: Vec<JoinHandle<()>>,
 }
 
 impl Server {
@@ -61,13 +66,27 @@ impl Server {
                 Arc::new(UpstreamClient::new(u.clone(), &roots)?),
             );
         }
+        let stats = Arc::new(Stats::default());
+        let background_stop = CancellationToken::new();
+        let (auditor, audit_task) =
+            Auditor::start(store.clone(), stats.clone(), background_stop.clone());
+        // Purge often enough that nothing outlives its retention by more than a quarter of it.
+        let purge_every =
+            (config.store.retention / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
+        let retention_task = tokio::spawn(crate::audit::retention(
+            store.clone(),
+            config.store.retention,
+            purge_every,
+            background_stop.clone(),
+        ));
         let state = Arc::new(AppState {
             config: config.clone(),
             store,
+            auditor,
             clients,
             key_locks: LockTable::new(),
             entity_locks: LockTable::new(),
-            stats: Arc::new(Stats::default()),
+            stats,
             tracker: TaskTracker::new(),
             owner: format!("pid{}-{}", std::process::id(), crate::store::now_ms()),
         });
@@ -130,6 +149,8 @@ impl Server {
             state,
             cancel,
             loops,
+            background_stop,
+            background: vec![audit_task, retention_task],
         })
     }
 
@@ -147,6 +168,10 @@ impl Server {
         }
         self.state.tracker.close();
         self.state.tracker.wait().await;
+        self.background_stop.cancel();
+        for task in self.background {
+            let _ = task.await;
+        }
         self.state.store.close().await;
         tracing::info!("stopped");
     }
