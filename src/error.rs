@@ -190,9 +190,12 @@ impl ProxyError {
             let secs = after.as_millis().div_ceil(1000).max(1);
             h.insert(header::RETRY_AFTER, HeaderValue::from(secs as u64));
         }
+        // Every answer on a protected route says its key and whether it is a replay: an
+        // error made by the proxy never is.
         if let Some(key) = self.key.as_deref() {
             if let Ok(v) = HeaderValue::from_str(key) {
                 h.insert("idempotency-key", v);
+                h.insert("idempotent-replayed", HeaderValue::from_static("false"));
             }
         }
         resp
