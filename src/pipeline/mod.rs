@@ -1,20 +1,22 @@
 //! The protected-request pipeline: SPEC.md "Request handling" steps 1–7, in order, in one
 //! place. Each step is a named function returning a decision or an error; [`run`] strings them
-//! together with `?` and [`crate::proxy::handle`] turns errors into JSON answers.
+//! together with `?` and [`crate::proxy::handle`] turns errors into JSON answers. Step 3 lives in
+//! [`entities`], steps 6–7 (the detached forward) in [`job`].
+
+mod entities;
+mod job;
+
+use entities::lock_entities;
+use job::Job;
 
 use crate::audit::Trace;
 use crate::checks;
 use crate::config::{InFlight, Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
-use crate::forward::{self, Outcome};
-use crate::locks::LockGuard;
 use crate::prepare::{self, Input, KeyPlan, Prepared};
 use crate::proxy::{self, AppState, Target};
-use crate::store::{
-    after_ms, now_ms, Effects, EntityLease, Finish, KeyRecord, KeyState, Reservation, Reserved,
-    Store, StoredResponse,
-};
-use crate::upstream::{full, request_headers, ProxyBody, UpstreamClient};
+use crate::store::{now_ms, KeyRecord, KeyState, Reservation, Reserved, StoredResponse};
+use crate::upstream::{full, request_headers, ProxyBody};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -291,241 +293,6 @@ async fn wait_foreign(
         None => tokio::time::sleep_until(wake).await,
     }
     Ok(())
-}
-
-/// Step 3: local entity locks, then the store's cross-replica leases, all by `deadline`.
-async fn lock_entities(
-    state: &AppState,
-    route: &Route,
-    p: &Prepared,
-    deadline: Instant,
-) -> ProxyResult<(Vec<LockGuard>, StoreLeases)> {
-    let _waiting = state.stats.wait();
-    let left = || deadline.saturating_duration_since(Instant::now());
-    let guards = state
-        .entity_locks
-        .lock_all(&p.entities, left())
-        .await
-        .map_err(|_| entity_busy(route))?;
-    if p.entities.is_empty() {
-        return Ok((guards, StoreLeases::none(state)));
-    }
-    let lease = state.config.store.lease;
-    let held = state
-        .store
-        .lock_entities(&p.entities, &state.owner, lease, left())
-        .await
-        .map_err(|e| store_error(state, e))?
-        .ok_or_else(|| entity_busy(route))?;
-    Ok((
-        guards,
-        StoreLeases {
-            store: state.store.clone(),
-            owner: state.owner.clone(),
-            held,
-        },
-    ))
-}
-
-/// Entity leases held in the store; released on every path, by `release` or on drop.
-struct StoreLeases {
-    store: Arc<dyn Store>,
-    owner: String,
-    held: Vec<EntityLease>,
-}
-
-impl StoreLeases {
-    fn none(state: &AppState) -> StoreLeases {
-        StoreLeases {
-            store: state.store.clone(),
-            owner: state.owner.clone(),
-            held: Vec::new(),
-        }
-    }
-
-    async fn release(mut self) {
-        let held = std::mem::take(&mut self.held);
-        if !held.is_empty() {
-            if let Err(e) = self.store.unlock_entities(&held, &self.owner).await {
-                tracing::warn!(error = %e, "could not release entity leases; they expire after the lease");
-            }
-        }
-    }
-}
-
-impl Drop for StoreLeases {
-    fn drop(&mut self) {
-        let held = std::mem::take(&mut self.held);
-        if held.is_empty() {
-            return;
-        }
-        // An early return or a cancelled task: release in the background.
-        let (store, owner) = (self.store.clone(), self.owner.clone());
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                let _ = store.unlock_entities(&held, &owner).await;
-            });
-        }
-    }
-}
-
-/// A forward that runs to completion even if the client hangs up.
-struct Job {
-    state: Arc<AppState>,
-    client: Arc<UpstreamClient>,
-    route: Arc<Route>,
-    id: crate::store::ScopedKey,
-    key: String,
-    epoch: i64,
-    /// Recorded once the outcome is stored.
-    trace: Option<Trace>,
-    /// The request's entities and version, for the effects of a 2xx answer.
-    entities: Vec<String>,
-    version: Option<i64>,
-    /// Cross-replica entity leases, released right after the outcome is stored.
-    leases: StoreLeases,
-    /// Held until the outcome is stored: the key slot and the entity locks.
-    guards: (LockGuard, Vec<LockGuard>),
-}
-
-impl Job {
-    async fn run(mut self, req: Request<ProxyBody>) -> ProxyResult<Response<ProxyBody>> {
-        let up = self.client.upstream.clone();
-        let started = Instant::now();
-        let outcome = {
-            let _in_flight = self.state.stats.on_forward();
-            self.call_renewing(req).await
-        };
-        let status = match &outcome {
-            Outcome::Answer(resp) => Some(resp.status),
-            _ => None,
-        };
-        let decision = match &outcome {
-            Outcome::Answer(resp) if up.release_statuses.contains(&resp.status) => "released",
-            Outcome::Answer(_) => "forwarded",
-            Outcome::NotSent(_) => ErrorKind::UpstreamUnreachable.as_str(),
-            Outcome::Unknown(_) => "unknown",
-        };
-        let (finish, answer) = match outcome {
-            Outcome::Answer(resp) if up.release_statuses.contains(&resp.status) => {
-                (Finish::Released, Ok(resp))
-            }
-            Outcome::Answer(resp) => {
-                let retention = self
-                    .route
-                    .retention
-                    .unwrap_or(self.state.config.store.retention);
-                let expires_at = after_ms(retention);
-                (
-                    Finish::Completed {
-                        response: resp.clone(),
-                        expires_at,
-                        effects: self.effects(resp.status),
-                    },
-                    Ok(resp),
-                )
-            }
-            Outcome::NotSent(why) => (
-                Finish::Released,
-                Err(ProxyError::new(
-                    ErrorKind::UpstreamUnreachable,
-                    format!("upstream {} unreachable: {why}", up.name),
-                )),
-            ),
-            Outcome::Unknown(why) => (
-                Finish::Unknown,
-                Err(ProxyError::new(
-                    ErrorKind::UpstreamTimeout,
-                    format!("upstream {}: {why}", up.name),
-                )),
-            ),
-        };
-        match self.state.store.finish(&self.id, self.epoch, finish).await {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::warn!(key = %self.key, "our reservation was taken over; the answer was not stored")
-            }
-            Err(e) => {
-                self.state.stats.on_store_error();
-                tracing::error!(key = %self.key, error = %e, "could not store the upstream's answer; the key will read as unknown");
-            }
-        }
-        self.leases.release().await;
-        drop(self.guards);
-        if let Some(mut t) = self.trace.take() {
-            t.upstream_time = Some(started.elapsed());
-            t.upstream_status = status;
-            t.record(&self.state.auditor, decision);
-        }
-        answer.map(|resp| respond(&resp, &self.key, false))
-    }
-
-    /// The upstream call, renewing our lease every third of it while it runs.
-    async fn call_renewing(&self, req: Request<ProxyBody>) -> Outcome {
-        let lease = self.state.config.store.lease;
-        let every = (lease / 3).max(Duration::from_millis(100));
-        let call = forward::call(&self.client, req, self.client.upstream.timeout);
-        tokio::pin!(call);
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-        loop {
-            tokio::select! {
-                outcome = &mut call => return outcome,
-                _ = tick.tick() => {
-                    self.renew(lease).await;
-                }
-            }
-        }
-    }
-}
-
-impl Job {
-    /// What a successful answer does to the entities: record the version, take or release
-    /// the claim. Nothing for other statuses.
-    fn effects(&self, status: u16) -> Effects {
-        let route = &self.route;
-        if !(200..300).contains(&status) {
-            return Effects::default();
-        }
-        Effects {
-            entities: self.entities.clone(),
-            version: self.version,
-            claim_until: route
-                .claim
-                .then(|| after_ms(route.claim_ttl.unwrap_or(Duration::from_secs(86_400)))),
-            release_claim: route.release_claim,
-            leases: self.leases.held.clone(),
-            owner: self.state.owner.clone(),
-        }
-    }
-
-    /// Extends the key's and the entities' leases; failures are logged (the call goes on: it
-    /// cannot be taken back), and a lost lease is reported loudly.
-    async fn renew(&self, lease: Duration) {
-        let store = &self.state.store;
-        match store.renew(&self.id, self.epoch, lease).await {
-            Ok(true) => {}
-            Ok(false) => {
-                tracing::error!(key = %self.key, "lost the key's reservation while the upstream call runs")
-            }
-            Err(e) => {
-                self.state.stats.on_store_error();
-                tracing::warn!(key = %self.key, error = %e, "lease renewal failed");
-            }
-        }
-        match store
-            .renew_entities(&self.leases.held, &self.state.owner, lease)
-            .await
-        {
-            Ok(lost) if lost.is_empty() => {}
-            Ok(lost) => {
-                tracing::error!(key = %self.key, ?lost, "lost entity leases while the upstream call runs")
-            }
-            Err(e) => {
-                self.state.stats.on_store_error();
-                tracing::warn!(key = %self.key, error = %e, "entity lease renewal failed");
-            }
-        }
-    }
 }
 
 fn replay(state: &AppState, stored: &StoredResponse, key: &str) -> Response<ProxyBody> {

@@ -1,0 +1,176 @@
+//! Steps 6–7: the forward, detached from the client's connection so its answer is stored even
+//! when the client hung up; then the outcome table, the effects, the audit row.
+
+use super::entities::StoreLeases;
+use super::respond;
+use crate::audit::Trace;
+use crate::config::Route;
+use crate::error::{ErrorKind, ProxyError, ProxyResult};
+use crate::forward::{self, Outcome};
+use crate::locks::LockGuard;
+use crate::proxy::AppState;
+use crate::store::{after_ms, Effects, Finish};
+use crate::upstream::{ProxyBody, UpstreamClient};
+use http::{Request, Response};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// A forward that runs to completion even if the client hangs up.
+pub(super) struct Job {
+    pub(super) state: Arc<AppState>,
+    pub(super) client: Arc<UpstreamClient>,
+    pub(super) route: Arc<Route>,
+    pub(super) id: crate::store::ScopedKey,
+    pub(super) key: String,
+    pub(super) epoch: i64,
+    /// Recorded once the outcome is stored.
+    pub(super) trace: Option<Trace>,
+    /// The request's entities and version, for the effects of a 2xx answer.
+    pub(super) entities: Vec<String>,
+    pub(super) version: Option<i64>,
+    /// Cross-replica entity leases, released right after the outcome is stored.
+    pub(super) leases: StoreLeases,
+    /// Held until the outcome is stored: the key slot and the entity locks.
+    pub(super) guards: (LockGuard, Vec<LockGuard>),
+}
+
+impl Job {
+    pub(super) async fn run(mut self, req: Request<ProxyBody>) -> ProxyResult<Response<ProxyBody>> {
+        let up = self.client.upstream.clone();
+        let started = Instant::now();
+        let outcome = {
+            let _in_flight = self.state.stats.on_forward();
+            self.call_renewing(req).await
+        };
+        let status = match &outcome {
+            Outcome::Answer(resp) => Some(resp.status),
+            _ => None,
+        };
+        let decision = match &outcome {
+            Outcome::Answer(resp) if up.release_statuses.contains(&resp.status) => "released",
+            Outcome::Answer(_) => "forwarded",
+            Outcome::NotSent(_) => ErrorKind::UpstreamUnreachable.as_str(),
+            Outcome::Unknown(_) => "unknown",
+        };
+        let (finish, answer) = match outcome {
+            Outcome::Answer(resp) if up.release_statuses.contains(&resp.status) => {
+                (Finish::Released, Ok(resp))
+            }
+            Outcome::Answer(resp) => {
+                let retention = self
+                    .route
+                    .retention
+                    .unwrap_or(self.state.config.store.retention);
+                let expires_at = after_ms(retention);
+                (
+                    Finish::Completed {
+                        response: resp.clone(),
+                        expires_at,
+                        effects: self.effects(resp.status),
+                    },
+                    Ok(resp),
+                )
+            }
+            Outcome::NotSent(why) => (
+                Finish::Released,
+                Err(ProxyError::new(
+                    ErrorKind::UpstreamUnreachable,
+                    format!("upstream {} unreachable: {why}", up.name),
+                )),
+            ),
+            Outcome::Unknown(why) => (
+                Finish::Unknown,
+                Err(ProxyError::new(
+                    ErrorKind::UpstreamTimeout,
+                    format!("upstream {}: {why}", up.name),
+                )),
+            ),
+        };
+        match self.state.store.finish(&self.id, self.epoch, finish).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::warn!(key = %self.key, "our reservation was taken over; the answer was not stored")
+            }
+            Err(e) => {
+                self.state.stats.on_store_error();
+                tracing::error!(key = %self.key, error = %e, "could not store the upstream's answer; the key will read as unknown");
+            }
+        }
+        self.leases.release().await;
+        drop(self.guards);
+        if let Some(mut t) = self.trace.take() {
+            t.upstream_time = Some(started.elapsed());
+            t.upstream_status = status;
+            t.record(&self.state.auditor, decision);
+        }
+        answer.map(|resp| respond(&resp, &self.key, false))
+    }
+
+    /// The upstream call, renewing our lease every third of it while it runs.
+    async fn call_renewing(&self, req: Request<ProxyBody>) -> Outcome {
+        let lease = self.state.config.store.lease;
+        let every = (lease / 3).max(Duration::from_millis(100));
+        let call = forward::call(&self.client, req, self.client.upstream.timeout);
+        tokio::pin!(call);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        loop {
+            tokio::select! {
+                outcome = &mut call => return outcome,
+                _ = tick.tick() => {
+                    self.renew(lease).await;
+                }
+            }
+        }
+    }
+}
+
+impl Job {
+    /// What a successful answer does to the entities: record the version, take or release
+    /// the claim. Nothing for other statuses.
+    fn effects(&self, status: u16) -> Effects {
+        let route = &self.route;
+        if !(200..300).contains(&status) {
+            return Effects::default();
+        }
+        Effects {
+            entities: self.entities.clone(),
+            version: self.version,
+            claim_until: route
+                .claim
+                .then(|| after_ms(route.claim_ttl.unwrap_or(Duration::from_secs(86_400)))),
+            release_claim: route.release_claim,
+            leases: self.leases.held.clone(),
+            owner: self.state.owner.clone(),
+        }
+    }
+
+    /// Extends the key's and the entities' leases; failures are logged (the call goes on: it
+    /// cannot be taken back), and a lost lease is reported loudly.
+    async fn renew(&self, lease: Duration) {
+        let store = &self.state.store;
+        match store.renew(&self.id, self.epoch, lease).await {
+            Ok(true) => {}
+            Ok(false) => {
+                tracing::error!(key = %self.key, "lost the key's reservation while the upstream call runs")
+            }
+            Err(e) => {
+                self.state.stats.on_store_error();
+                tracing::warn!(key = %self.key, error = %e, "lease renewal failed");
+            }
+        }
+        match store
+            .renew_entities(&self.leases.held, &self.state.owner, lease)
+            .await
+        {
+            Ok(lost) if lost.is_empty() => {}
+            Ok(lost) => {
+                tracing::error!(key = %self.key, ?lost, "lost entity leases while the upstream call runs")
+            }
+            Err(e) => {
+                self.state.stats.on_store_error();
+                tracing::warn!(key = %self.key, error = %e, "entity lease renewal failed");
+            }
+        }
+    }
+}
