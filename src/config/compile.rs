@@ -1,35 +1,35 @@
 //! Raw TOML → validated [`Config`]. Collects every error with its `file:line:col`.
 
 use super::raw::*;
+use super::routes::route;
 use super::units::{expand_env, parse_duration, parse_size};
 use super::*;
-use crate::template::Source;
 use std::collections::{BTreeMap, HashSet};
 use std::ops::Range;
 use toml::Spanned;
 
-struct Ctx<'a> {
+pub(super) struct Ctx<'a> {
     text: &'a str,
     origin: &'a str,
     env: &'a dyn Fn(&str) -> Option<String>,
-    errors: Vec<String>,
+    pub(super) errors: Vec<String>,
 }
 
 impl Ctx<'_> {
-    fn at(&self, span: Range<usize>) -> String {
+    pub(super) fn at(&self, span: Range<usize>) -> String {
         let upto = &self.text[..span.start.min(self.text.len())];
         let line = upto.matches('\n').count() + 1;
         let col = upto.rfind('\n').map_or(upto.len(), |i| upto.len() - i - 1) + 1;
         format!("{}:{line}:{col}", self.origin)
     }
 
-    fn err(&mut self, span: Range<usize>, msg: impl std::fmt::Display) {
+    pub(super) fn err(&mut self, span: Range<usize>, msg: impl std::fmt::Display) {
         let at = self.at(span);
         self.errors.push(format!("{at}: {msg}"));
     }
 
     /// The string with `${ENV}` expanded, or `None` after recording the error.
-    fn s(&mut self, v: &Str) -> Option<String> {
+    pub(super) fn s(&mut self, v: &Str) -> Option<String> {
         match expand_env(v.get_ref(), self.env) {
             Ok(s) => Some(s),
             Err(e) => {
@@ -39,7 +39,7 @@ impl Ctx<'_> {
         }
     }
 
-    fn dur(&mut self, v: &Option<Str>, default: Duration) -> Duration {
+    pub(super) fn dur(&mut self, v: &Option<Str>, default: Duration) -> Duration {
         let Some(v) = v else { return default };
         let Some(s) = self.s(v) else { return default };
         parse_duration(&s).unwrap_or_else(|e| {
@@ -48,7 +48,7 @@ impl Ctx<'_> {
         })
     }
 
-    fn addr(&mut self, v: &Str) -> Option<SocketAddr> {
+    pub(super) fn addr(&mut self, v: &Str) -> Option<SocketAddr> {
         let s = self.s(v)?;
         match s.parse() {
             Ok(a) => Some(a),
@@ -62,14 +62,14 @@ impl Ctx<'_> {
         }
     }
 
-    fn header(&mut self, v: &Str) -> Option<HeaderName> {
+    pub(super) fn header(&mut self, v: &Str) -> Option<HeaderName> {
         let s = self.s(v)?;
         HeaderName::from_bytes(s.as_bytes())
             .map_err(|_| self.err(v.span(), format!("{s:?} is not a header name")))
             .ok()
     }
 
-    fn template(&mut self, v: &Str) -> Option<Template> {
+    pub(super) fn template(&mut self, v: &Str) -> Option<Template> {
         let s = self.s(v)?;
         Template::parse(&s).map_err(|e| self.err(v.span(), e)).ok()
     }
@@ -328,283 +328,6 @@ fn upstreams(
         }));
     }
     out
-}
-
-fn route(
-    cx: &mut Ctx,
-    sp: &Spanned<RawRoute>,
-    upstreams: &BTreeMap<String, Spanned<RawUpstream>>,
-) -> Option<Route> {
-    let r = sp.get_ref();
-    let errors_before = cx.errors.len();
-    let name = cx.s(&r.name)?;
-    let upstream = cx.s(&r.upstream)?;
-    if !upstreams.contains_key(&upstream) {
-        cx.err(
-            r.upstream.span(),
-            format!("route {name:?}: unknown upstream {upstream:?}"),
-        );
-    }
-    let methods = match &r.methods {
-        None => Config::DEFAULT_METHODS.to_vec(),
-        Some(list) => list
-            .iter()
-            .filter_map(|m| {
-                let s = cx.s(m)?.to_ascii_uppercase();
-                match Method::from_bytes(s.as_bytes()) {
-                    Ok(m) if m.is_safe() => None.or_else(|| {
-                        cx.err(r.name.span(), format!("route {name:?}: {m} is a safe method; safe methods always pass through"));
-                        None
-                    }),
-                    Ok(m) if m == Method::CONNECT => {
-                        cx.err(r.name.span(), format!("route {name:?}: CONNECT is not proxied"));
-                        None
-                    }
-                    Ok(m) => Some(m),
-                    Err(_) => {
-                        cx.err(m.span(), format!("{s:?} is not an HTTP method"));
-                        None
-                    }
-                }
-            })
-            .collect(),
-    };
-    let path_text = cx.s(&r.path)?;
-    let path = PathPattern::parse(&path_text)
-        .map_err(|e| cx.err(r.path.span(), e))
-        .ok()?;
-    let captures: Vec<String> = path.captures().map(str::to_owned).collect();
-
-    // Every template is checked against what this route can provide.
-    let mut check = |cx: &mut Ctx, field: &str, v: &Str, allow_entity: bool, allow_fp: bool| {
-        let t = cx.template(v)?;
-        for src in t.sources() {
-            let problem = match src {
-                Source::Path(n) if !captures.contains(n) => Some(format!(
-                    "{{path.{n}}}: the route path {path_text:?} does not capture {n:?}"
-                )),
-                Source::Entity if !allow_entity => Some(format!("{field} cannot use {{entity}}")),
-                Source::Fingerprint if !allow_fp => {
-                    Some(format!("{field} cannot use {{fingerprint}}"))
-                }
-                _ => None,
-            };
-            if let Some(p) = problem {
-                cx.err(v.span(), format!("route {name:?}: {p}"));
-            }
-        }
-        Some(t)
-    };
-    let entity = r
-        .entity
-        .as_ref()
-        .and_then(|e| check(cx, "entity", e, false, false));
-    let version = r
-        .version
-        .as_ref()
-        .and_then(|v| check(cx, "version", v, true, false));
-    let (mut key_header, mut derive, mut required) =
-        (Some(HeaderName::from_static("idempotency-key")), None, true);
-    let mut derive_given = false;
-    if let Some(k) = &r.key {
-        let k = k.get_ref();
-        if let Some(h) = &k.header {
-            key_header = match cx.s(h) {
-                Some(s) if s.is_empty() => None,
-                _ => cx.header(h),
-            };
-        }
-        if let Some(d) = &k.derive {
-            derive_given = true;
-            // `derive = ""` turns derivation off.
-            if !d.get_ref().is_empty() {
-                derive = check(cx, "key.derive", d, entity.is_some(), true);
-            }
-            if entity.is_none() && d.get_ref().contains("{entity}") {
-                cx.err(
-                    d.span(),
-                    format!(
-                        "route {name:?}: key.derive uses {{entity}} but the route has no entity"
-                    ),
-                );
-            }
-        }
-        required = k.required.unwrap_or(true);
-    }
-    if !derive_given {
-        derive = Template::parse("{fingerprint}").ok();
-    }
-    if key_header.is_none() && derive.is_none() && required {
-        cx.err(
-            sp.span(),
-            format!("route {name:?}: key has neither header nor derive but is required"),
-        );
-    }
-    let in_flight = match r
-        .in_flight
-        .as_ref()
-        .and_then(|v| cx.s(v).map(|s| (s, v.span())))
-    {
-        None => InFlight::Wait,
-        Some((s, _)) if s == "wait" => InFlight::Wait,
-        Some((s, _)) if s == "reject" => InFlight::Reject,
-        Some((s, span)) => {
-            cx.err(span, format!("in_flight = {s:?}: use wait or reject"));
-            InFlight::Wait
-        }
-    };
-    let mut fingerprint = FingerprintRule::default();
-    if let Some(fp) = &r.fingerprint {
-        for ig in &fp.ignore {
-            let Some(s) = cx.s(ig) else { continue };
-            match s.strip_prefix("body.").map(BodyPath::parse) {
-                Some(Ok(p)) => fingerprint.ignore.push(p),
-                Some(Err(e)) => cx.err(ig.span(), e),
-                None => cx.err(
-                    ig.span(),
-                    format!("fingerprint.ignore {s:?}: only body.* fields can be ignored"),
-                ),
-            }
-        }
-        fingerprint.headers = fp.headers.iter().filter_map(|h| cx.header(h)).collect();
-    }
-    let claim = r.claim.unwrap_or(false);
-    let claim_ttl = match &r.claim_ttl {
-        Some(_) => Some(cx.dur(&r.claim_ttl, Duration::ZERO)),
-        None if claim => Some(Duration::from_secs(86_400)),
-        None => None,
-    };
-    if r.claim_ttl.is_some() && !claim {
-        cx.err(
-            r.claim_ttl.as_ref().map(|c| c.span()).unwrap_or(0..0),
-            format!("route {name:?}: claim_ttl needs claim = true"),
-        );
-    }
-    let release_claim = r.release_claim.unwrap_or(false);
-    if (claim || release_claim) && entity.is_none() {
-        cx.err(
-            sp.span(),
-            format!("route {name:?}: claim and release_claim need an entity"),
-        );
-    }
-    if version.is_some() && entity.is_none() {
-        cx.err(
-            sp.span(),
-            format!("route {name:?}: version needs an entity"),
-        );
-    }
-    let precheck = r
-        .precheck
-        .as_ref()
-        .and_then(|p| precheck(cx, &name, p, &mut check));
-    let retention = r
-        .retention
-        .as_ref()
-        .map(|_| cx.dur(&r.retention, Duration::ZERO));
-    let uses_body = |t: &Option<Template>| {
-        t.as_ref()
-            .is_some_and(|t| t.uses(|s| matches!(s, Source::Body(_))))
-    };
-    let needs_body = uses_body(&entity)
-        || uses_body(&version)
-        || uses_body(&derive)
-        || precheck
-            .as_ref()
-            .is_some_and(|p| p.path.uses(|s| matches!(s, Source::Body(_))))
-        || !fingerprint.ignore.is_empty();
-    if cx.errors.len() > errors_before {
-        return None;
-    }
-    Some(Route {
-        name,
-        upstream,
-        methods,
-        path_text,
-        path,
-        entity,
-        key: KeyRule {
-            header: key_header,
-            derive,
-            required,
-        },
-        in_flight,
-        lock_timeout: cx.dur(&r.lock_timeout, Duration::from_secs(30)),
-        fingerprint,
-        version,
-        claim,
-        claim_ttl,
-        release_claim,
-        precheck,
-        retention,
-        needs_body,
-    })
-}
-
-type Check<'a> = dyn FnMut(&mut Ctx, &str, &Str, bool, bool) -> Option<Template> + 'a;
-
-fn precheck(
-    cx: &mut Ctx,
-    name: &str,
-    sp: &Spanned<RawPrecheck>,
-    check: &mut Check,
-) -> Option<Precheck> {
-    let p = sp.get_ref();
-    let method = match &p.method {
-        None => Method::GET,
-        Some(m) => {
-            let s = cx.s(m)?.to_ascii_uppercase();
-            match Method::from_bytes(s.as_bytes()) {
-                Ok(m) if m.is_safe() => m,
-                _ => {
-                    cx.err(
-                        m.span(),
-                        format!("route {name:?}: precheck method must be GET or HEAD, not {s:?}"),
-                    );
-                    return None;
-                }
-            }
-        }
-    };
-    let path = check(cx, "precheck.path", &p.path, true, false)?;
-    let expect_status = p
-        .expect_status
-        .iter()
-        .flatten()
-        .filter_map(|s| match u16::try_from(*s.get_ref()) {
-            Ok(c) if (100..=599).contains(&c) => Some(c),
-            _ => {
-                cx.err(s.span(), format!("{} is not an HTTP status", s.get_ref()));
-                None
-            }
-        })
-        .collect();
-    let mut expect = Vec::new();
-    for (field, value) in &p.expect {
-        let parsed = field.strip_prefix("body.").map(BodyPath::parse);
-        let json = serde_json::to_value(value.get_ref()).ok();
-        match (parsed, json) {
-            (Some(Ok(path)), Some(v)) => expect.push((path, v)),
-            (Some(Err(e)), _) => cx.err(value.span(), e),
-            _ => cx.err(
-                value.span(),
-                format!("precheck.expect {field:?}: keys must be body.* fields"),
-            ),
-        }
-    }
-    Some(Precheck {
-        method,
-        path,
-        expect_status: if expect_status_is_empty(&p.expect_status) {
-            vec![200]
-        } else {
-            expect_status
-        },
-        expect,
-    })
-}
-
-fn expect_status_is_empty(v: &Option<Vec<Spanned<i64>>>) -> bool {
-    v.as_ref().is_none_or(|v| v.is_empty())
 }
 
 #[cfg(test)]

@@ -5,8 +5,9 @@
 //! route, durations and sizes parsed, URLs parsed. Every problem is reported as
 //! `file:line:col: message`, all of them at once.
 
-mod compile;
+pub(super) mod compile;
 pub mod raw;
+mod routes;
 pub mod units;
 
 use crate::body::BodyPath;
