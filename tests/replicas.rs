@@ -307,3 +307,55 @@ async fn postgres_stopped_fails_closed_then_recovers_without_a_restart() {
     assert_eq!(again.replayed(), Some(true));
     assert_eq!(upstream.count_method("POST"), 2);
 }
+
+/// A contended store: the lease table is locked by another session while ten writes to one
+/// entity arrive on two replicas; every write waits in the store, then they go one at a time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_contended_store_never_lets_writes_to_one_entity_overlap() {
+    use sqlx::Connection;
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let upstream = RecordingUpstream::builder()
+        .entity_json("/customer")
+        .start()
+        .await;
+    let dir = TestDir::new();
+    let ps = replicas(2, &dir, &config(&upstream, &pg.url, "30s")).await;
+    let mut blocker = sqlx::PgConnection::connect(&pg.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
+    sqlx::query("LOCK TABLE idem_entity_leases IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut blocker)
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..10 {
+        let url = ps[i % 2].url("/api/charges");
+        tasks.push(tokio::spawn(async move {
+            post_json(
+                &url,
+                Some(&format!("slow-{i}")),
+                &json!({"customer": "cus_slow"}),
+                &[],
+            )
+            .await
+        }));
+    }
+    // Each replica lets one request per entity at the store; the rest queue in the process.
+    wait_for_waiting(&ps, 10).await;
+    assert_eq!(
+        upstream.count(),
+        0,
+        "nothing passes while the store is stuck"
+    );
+    sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
+    for t in tasks {
+        t.await.unwrap().assert_status(200);
+    }
+    assert_eq!(upstream.count(), 10);
+    assert_eq!(
+        upstream.max_concurrent("cus_slow"),
+        1,
+        "a slow store never lets two writes overlap"
+    );
+}
