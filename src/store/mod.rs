@@ -9,6 +9,7 @@ pub mod codec;
 pub mod notify;
 pub mod postgres;
 mod records;
+mod rows;
 pub mod sqlite;
 
 pub use records::{AuditRow, Claim, Effects, EntityState};
@@ -148,6 +149,43 @@ pub enum Finish {
 pub struct EntityLease {
     pub entity: String,
     pub epoch: i64,
+}
+
+/// What a finished key stores, column by column.
+pub struct FinishColumns {
+    pub state: KeyState,
+    pub status: Option<u16>,
+    pub headers: Option<Vec<u8>>,
+    pub body: Option<Bytes>,
+    pub expires_at: Option<i64>,
+    pub effects: Effects,
+}
+
+impl Finish {
+    pub fn into_columns(self) -> FinishColumns {
+        let (state, response, expires_at, effects) = match self {
+            Finish::Completed {
+                response,
+                expires_at,
+                effects,
+            } => (
+                KeyState::Completed,
+                Some(response),
+                Some(expires_at),
+                effects,
+            ),
+            Finish::Released => (KeyState::Released, None, None, Effects::default()),
+            Finish::Unknown => (KeyState::Unknown, None, None, Effects::default()),
+        };
+        FinishColumns {
+            state,
+            status: response.as_ref().map(|r| r.status),
+            headers: response.as_ref().map(|r| codec::encode_headers(&r.headers)),
+            body: response.map(|r| r.body),
+            expires_at,
+            effects,
+        }
+    }
 }
 
 /// Filters for `keys list`.

@@ -16,10 +16,9 @@
 
 mod ordered;
 
-use super::codec::{decode_headers, encode_headers};
 use super::notify::{entity_topic, key_topic, Hub};
 use super::*;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions, PgRow};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{PgPool, Row};
 use std::str::FromStr;
 use std::sync::Arc;
@@ -30,8 +29,7 @@ const NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 
 const CHANNEL: &str = "idemproxy";
 
-const COLUMNS: &str = "upstream, scope, key, fingerprint, route, entities::text AS entities, state, owner, \
-                       lease_until, epoch, attempts, status, headers, body, created_at, updated_at, expires_at";
+use super::rows::{self, KEY_COLUMNS_PG as COLUMNS};
 
 pub struct PgStore {
     pool: PgPool,
@@ -91,44 +89,6 @@ fn lease_ms(d: Duration) -> i64 {
     d.as_millis() as i64
 }
 
-fn decode(row: &PgRow) -> StoreResult<KeyRecord> {
-    let state: String = row.try_get("state")?;
-    let status: Option<i32> = row.try_get("status")?;
-    let response = match status {
-        Some(status) => {
-            let headers: Option<Vec<u8>> = row.try_get("headers")?;
-            let body: Option<Vec<u8>> = row.try_get("body")?;
-            Some(StoredResponse {
-                status: status as u16,
-                headers: decode_headers(headers.as_deref().unwrap_or_default()),
-                body: Bytes::from(body.unwrap_or_default()),
-            })
-        }
-        None => None,
-    };
-    let entities: String = row.try_get("entities")?;
-    Ok(KeyRecord {
-        id: ScopedKey {
-            upstream: row.try_get("upstream")?,
-            scope: row.try_get("scope")?,
-            key: row.try_get("key")?,
-        },
-        fingerprint: row.try_get("fingerprint")?,
-        route: row.try_get("route")?,
-        entities: codec::decode_entities(&entities),
-        state: KeyState::parse(&state)
-            .ok_or_else(|| StoreError(format!("unknown key state {state:?}")))?,
-        owner: row.try_get("owner")?,
-        lease_until: row.try_get("lease_until")?,
-        epoch: row.try_get("epoch")?,
-        attempts: row.try_get("attempts")?,
-        response,
-        created_at: row.try_get("created_at")?,
-        updated_at: row.try_get("updated_at")?,
-        expires_at: row.try_get("expires_at")?,
-    })
-}
-
 /// Result of one attempt at an entity lease.
 enum Attempt {
     Acquired(i64),
@@ -180,7 +140,7 @@ impl Store for PgStore {
         .bind(&id.key)
         .fetch_optional(&self.pool)
         .await?;
-        row.as_ref().map(decode).transpose()
+        row.as_ref().map(rows::key_record).transpose()
     }
 
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
@@ -222,22 +182,7 @@ impl Store for PgStore {
     }
 
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        let (state, status, headers, body, expires, effects) = match outcome {
-            Finish::Completed {
-                response,
-                expires_at,
-                effects,
-            } => (
-                "completed",
-                Some(response.status as i32),
-                Some(encode_headers(&response.headers)),
-                Some(response.body),
-                Some(expires_at),
-                effects,
-            ),
-            Finish::Released => ("released", None, None, None, None, Effects::default()),
-            Finish::Unknown => ("unknown", None, None, None, None, Effects::default()),
-        };
+        let c = outcome.into_columns();
         // One transaction: the answer and its effects stand or fall together; the
         // notification goes out at commit.
         let mut tx = self.pool.begin().await?;
@@ -248,11 +193,11 @@ impl Store for PgStore {
              RETURNING upstream, scope, key) \
              SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u"
         ))
-        .bind(state)
-        .bind(status)
-        .bind(headers)
-        .bind(body.as_deref())
-        .bind(expires)
+        .bind(c.state.as_str())
+        .bind(c.status.map(i32::from))
+        .bind(c.headers)
+        .bind(c.body.as_deref())
+        .bind(c.expires_at)
         .bind(&id.upstream)
         .bind(&id.scope)
         .bind(&id.key)
@@ -260,8 +205,8 @@ impl Store for PgStore {
         .fetch_all(&mut *tx)
         .await?;
         let owned = rows.len() == 1;
-        if owned && !effects.is_empty() {
-            ordered::apply_effects(&mut tx, id, &effects).await?;
+        if owned && !c.effects.is_empty() {
+            ordered::apply_effects(&mut tx, id, &c.effects).await?;
         }
         tx.commit().await?;
         Ok(owned)
@@ -396,7 +341,7 @@ impl Store for PgStore {
         .bind(key)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(decode).collect()
+        rows.iter().map(rows::key_record).collect()
     }
 
     async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
@@ -410,7 +355,7 @@ impl Store for PgStore {
         .bind(if f.limit > 0 { f.limit } else { 100 })
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(decode).collect()
+        rows.iter().map(rows::key_record).collect()
     }
 
     async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {

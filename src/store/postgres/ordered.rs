@@ -1,10 +1,10 @@
 //! PostgreSQL: entity state (versions, claims), the audit trail, retention.
 
 use super::NOW;
-use crate::store::codec::{decode_entities, encode_entities};
-use crate::store::{AuditRow, Claim, Effects, EntityState, ScopedKey, StoreResult};
-use sqlx::postgres::PgRow;
-use sqlx::{PgPool, Postgres, Row, Transaction};
+use crate::store::codec::encode_entities;
+use crate::store::rows::{self, AUDIT_COLUMNS_PG, ENTITY_COLUMNS};
+use crate::store::{AuditRow, Effects, EntityState, ScopedKey, StoreResult};
+use sqlx::{PgPool, Postgres, Transaction};
 
 /// Applies a 2xx write's effects, each fenced on our entity lease: a replica whose lease was
 /// taken over cannot advance a version or claim over the new holder.
@@ -71,39 +71,13 @@ pub async fn apply_effects(
 }
 
 pub async fn entity_states(pool: &PgPool, entities: &[String]) -> StoreResult<Vec<EntityState>> {
-    let rows = sqlx::query(
-        "SELECT entity, version, claim_upstream, claim_scope, claim_key, claim_until, updated_at \
-         FROM idem_entities WHERE entity = ANY($1)",
-    )
+    let rows = sqlx::query(&format!(
+        "SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE entity = ANY($1)"
+    ))
     .bind(entities)
     .fetch_all(pool)
     .await?;
-    rows.iter()
-        .map(|row| {
-            let claim_key: Option<String> = row.try_get("claim_key")?;
-            let claim = match claim_key {
-                Some(key) => Some(Claim {
-                    owner: ScopedKey {
-                        upstream: row
-                            .try_get::<Option<String>, _>("claim_upstream")?
-                            .unwrap_or_default(),
-                        scope: row
-                            .try_get::<Option<String>, _>("claim_scope")?
-                            .unwrap_or_default(),
-                        key,
-                    },
-                    until: row.try_get::<Option<i64>, _>("claim_until")?.unwrap_or(0),
-                }),
-                None => None,
-            };
-            Ok(EntityState {
-                entity: row.try_get("entity")?,
-                version: row.try_get("version")?,
-                claim,
-                updated_at: row.try_get("updated_at")?,
-            })
-        })
-        .collect()
+    rows.iter().map(rows::entity_state).collect()
 }
 
 pub async fn release_claim(pool: &PgPool, entity: &str) -> StoreResult<bool> {
@@ -152,33 +126,13 @@ pub async fn audit_where(
     limit: i64,
 ) -> StoreResult<Vec<AuditRow>> {
     let rows = sqlx::query(&format!(
-        "SELECT at, upstream, route, entities::text AS entities, key, fingerprint, decision, upstream_status, \
-         total_ms, lock_wait_ms, upstream_ms, expires_at FROM idem_audit WHERE {condition} ORDER BY id DESC LIMIT $2"
+        "SELECT {AUDIT_COLUMNS_PG} FROM idem_audit WHERE {condition} ORDER BY id DESC LIMIT $2"
     ))
     .bind(arg)
     .bind(limit)
     .fetch_all(pool)
     .await?;
-    rows.iter().map(decode_audit).collect()
-}
-
-fn decode_audit(row: &PgRow) -> StoreResult<AuditRow> {
-    let entities: String = row.try_get("entities")?;
-    let status: Option<i32> = row.try_get("upstream_status")?;
-    Ok(AuditRow {
-        at: row.try_get("at")?,
-        upstream: row.try_get("upstream")?,
-        route: row.try_get("route")?,
-        entities: decode_entities(&entities),
-        key: row.try_get("key")?,
-        fingerprint: row.try_get("fingerprint")?,
-        decision: row.try_get("decision")?,
-        upstream_status: status.map(|s| s as u16),
-        total_ms: row.try_get("total_ms")?,
-        lock_wait_ms: row.try_get("lock_wait_ms")?,
-        upstream_ms: row.try_get("upstream_ms")?,
-        expires_at: row.try_get("expires_at")?,
-    })
+    rows.iter().map(rows::audit_row).collect()
 }
 
 /// One small batch of each kind of expired row; each statement is short, so purging never

@@ -13,21 +13,16 @@
 mod writer;
 mod writes;
 
-use super::codec::{decode_entities, decode_headers, encode_entities};
+use super::codec::encode_entities;
 use super::*;
-use sqlx::sqlite::{
-    SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteRow, SqliteSynchronous,
-};
-use sqlx::{Connection, Row, SqliteConnection, SqlitePool};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Connection, SqliteConnection, SqlitePool};
 use std::str::FromStr;
 use writer::Writer;
 
-pub(super) const KEY_COLUMNS: &str = "upstream, scope, key, fingerprint, route, entities, state, owner, lease_until, \
-                                      epoch, attempts, status, headers, body, created_at, updated_at, expires_at";
-
-const AUDIT_COLUMNS: &str =
-    "at, upstream, route, entities, key, fingerprint, decision, upstream_status, total_ms, \
-                             lock_wait_ms, upstream_ms, expires_at";
+use super::rows::{
+    self, AUDIT_COLUMNS_SQLITE as AUDIT_COLUMNS, ENTITY_COLUMNS, KEY_COLUMNS_SQLITE as KEY_COLUMNS,
+};
 
 pub struct SqliteStore {
     reads: SqlitePool,
@@ -88,88 +83,6 @@ fn lock_file(db: &std::path::Path) -> StoreResult<std::fs::File> {
     Ok(file)
 }
 
-pub(super) fn decode_key(row: &SqliteRow) -> StoreResult<KeyRecord> {
-    let state: String = row.try_get("state")?;
-    let status: Option<i64> = row.try_get("status")?;
-    let response = match status {
-        Some(status) => {
-            let headers: Option<Vec<u8>> = row.try_get("headers")?;
-            let body: Option<Vec<u8>> = row.try_get("body")?;
-            Some(StoredResponse {
-                status: status as u16,
-                headers: decode_headers(headers.as_deref().unwrap_or_default()),
-                body: Bytes::from(body.unwrap_or_default()),
-            })
-        }
-        None => None,
-    };
-    let entities: String = row.try_get("entities")?;
-    Ok(KeyRecord {
-        id: ScopedKey {
-            upstream: row.try_get("upstream")?,
-            scope: row.try_get("scope")?,
-            key: row.try_get("key")?,
-        },
-        fingerprint: row.try_get("fingerprint")?,
-        route: row.try_get("route")?,
-        entities: decode_entities(&entities),
-        state: KeyState::parse(&state)
-            .ok_or_else(|| StoreError(format!("unknown key state {state:?}")))?,
-        owner: row.try_get("owner")?,
-        lease_until: row.try_get("lease_until")?,
-        epoch: row.try_get("epoch")?,
-        attempts: row.try_get("attempts")?,
-        response,
-        created_at: row.try_get("created_at")?,
-        updated_at: row.try_get("updated_at")?,
-        expires_at: row.try_get("expires_at")?,
-    })
-}
-
-fn decode_audit(row: &SqliteRow) -> StoreResult<AuditRow> {
-    let entities: String = row.try_get("entities")?;
-    let status: Option<i64> = row.try_get("upstream_status")?;
-    Ok(AuditRow {
-        at: row.try_get("at")?,
-        upstream: row.try_get("upstream")?,
-        route: row.try_get("route")?,
-        entities: decode_entities(&entities),
-        key: row.try_get("key")?,
-        fingerprint: row.try_get("fingerprint")?,
-        decision: row.try_get("decision")?,
-        upstream_status: status.map(|s| s as u16),
-        total_ms: row.try_get("total_ms")?,
-        lock_wait_ms: row.try_get("lock_wait_ms")?,
-        upstream_ms: row.try_get("upstream_ms")?,
-        expires_at: row.try_get("expires_at")?,
-    })
-}
-
-fn decode_entity(row: &SqliteRow) -> StoreResult<EntityState> {
-    let claim_key: Option<String> = row.try_get("claim_key")?;
-    let claim = match claim_key {
-        Some(key) => Some(Claim {
-            owner: ScopedKey {
-                upstream: row
-                    .try_get::<Option<String>, _>("claim_upstream")?
-                    .unwrap_or_default(),
-                scope: row
-                    .try_get::<Option<String>, _>("claim_scope")?
-                    .unwrap_or_default(),
-                key,
-            },
-            until: row.try_get::<Option<i64>, _>("claim_until")?.unwrap_or(0),
-        }),
-        None => None,
-    };
-    Ok(EntityState {
-        entity: row.try_get("entity")?,
-        version: row.try_get("version")?,
-        claim,
-        updated_at: row.try_get("updated_at")?,
-    })
-}
-
 #[async_trait]
 impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
@@ -185,7 +98,7 @@ impl Store for SqliteStore {
         .bind(&id.key)
         .fetch_optional(&self.reads)
         .await?;
-        row.as_ref().map(decode_key).transpose()
+        row.as_ref().map(rows::key_record).transpose()
     }
 
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
@@ -227,7 +140,7 @@ impl Store for SqliteStore {
         .bind(key)
         .fetch_all(&self.reads)
         .await?;
-        rows.iter().map(decode_key).collect()
+        rows.iter().map(rows::key_record).collect()
     }
 
     async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
@@ -241,18 +154,17 @@ impl Store for SqliteStore {
         .bind(if f.limit > 0 { f.limit } else { 100 })
         .fetch_all(&self.reads)
         .await?;
-        rows.iter().map(decode_key).collect()
+        rows.iter().map(rows::key_record).collect()
     }
 
     async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
         let rows = sqlx::query(
-            "SELECT entity, version, claim_upstream, claim_scope, claim_key, claim_until, updated_at \
-             FROM idem_entities WHERE entity IN (SELECT value FROM json_each(?))",
+            &format!("SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE entity IN (SELECT value FROM json_each(?))"),
         )
         .bind(encode_entities(entities))
         .fetch_all(&self.reads)
         .await?;
-        rows.iter().map(decode_entity).collect()
+        rows.iter().map(rows::entity_state).collect()
     }
 
     async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
@@ -279,7 +191,7 @@ impl Store for SqliteStore {
         .bind(limit)
         .fetch_all(&self.reads)
         .await?;
-        rows.iter().map(decode_audit).collect()
+        rows.iter().map(rows::audit_row).collect()
     }
 
     async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
@@ -290,7 +202,7 @@ impl Store for SqliteStore {
         .bind(limit)
         .fetch_all(&self.reads)
         .await?;
-        rows.iter().map(decode_audit).collect()
+        rows.iter().map(rows::audit_row).collect()
     }
 
     async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64> {

@@ -1,8 +1,9 @@
 //! The SQL of SQLite writes. Each runs inside the writer's batch transaction, given the
 //! batch's clock `now` (ms).
 
-use super::{decode_key, KEY_COLUMNS};
-use crate::store::codec::{encode_entities, encode_headers};
+use super::KEY_COLUMNS;
+use crate::store::codec::encode_entities;
+use crate::store::rows;
 use crate::store::{AuditRow, Effects, Finish, Reservation, Reserved, ScopedKey, StoreResult};
 use sqlx::{Row, SqliteConnection};
 
@@ -49,7 +50,7 @@ pub async fn reserve(
     .bind(&r.id.key)
     .fetch_one(&mut *conn)
     .await?;
-    Ok(Reserved::Existing(Box::new(decode_key(&existing)?)))
+    Ok(Reserved::Existing(Box::new(rows::key_record(&existing)?)))
 }
 
 /// Stores the outcome if `epoch` still owns the key, then applies the effects.
@@ -60,31 +61,16 @@ pub async fn finish(
     outcome: Finish,
     now: i64,
 ) -> StoreResult<bool> {
-    let (state, status, headers, body, expires, effects) = match outcome {
-        Finish::Completed {
-            response,
-            expires_at,
-            effects,
-        } => (
-            "completed",
-            Some(response.status as i64),
-            Some(encode_headers(&response.headers)),
-            Some(response.body),
-            Some(expires_at),
-            effects,
-        ),
-        Finish::Released => ("released", None, None, None, None, Effects::default()),
-        Finish::Unknown => ("unknown", None, None, None, None, Effects::default()),
-    };
+    let c = outcome.into_columns();
     let res = sqlx::query(
         "UPDATE idem_keys SET state = ?, status = ?, headers = ?, body = ?, expires_at = ?, owner = NULL, updated_at = ? \
          WHERE upstream = ? AND scope = ? AND key = ? AND state = 'in_flight' AND epoch = ?",
     )
-    .bind(state)
-    .bind(status)
-    .bind(headers)
-    .bind(body.as_deref())
-    .bind(expires)
+    .bind(c.state.as_str())
+    .bind(c.status.map(i64::from))
+    .bind(c.headers)
+    .bind(c.body.as_deref())
+    .bind(c.expires_at)
     .bind(now)
     .bind(&id.upstream)
     .bind(&id.scope)
@@ -93,8 +79,8 @@ pub async fn finish(
     .execute(&mut *conn)
     .await?;
     let owned = res.rows_affected() == 1;
-    if owned && !effects.is_empty() {
-        apply_effects(conn, id, &effects, now).await?;
+    if owned && !c.effects.is_empty() {
+        apply_effects(conn, id, &c.effects, now).await?;
     }
     Ok(owned)
 }
