@@ -245,6 +245,199 @@ async fn suite(s: Arc<dyn Store>) {
     s.close().await;
 }
 
+/// Versions, claims, the audit trail and retention: effects stand only with a stored 2xx answer
+/// and (across replicas) a held lease.
+async fn ordered_suite(s: Arc<dyn Store>) {
+    use idemproxy::store::{AuditRow, Effects};
+    let ents = vec!["slot:1".to_string()];
+    let leases = s
+        .lock_entities(&ents, "test-owner", LONG, Duration::ZERO)
+        .await
+        .unwrap()
+        .expect("free");
+    let e = owned(
+        s.reserve(reservation("b1", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    let effects = Effects {
+        entities: ents.clone(),
+        version: Some(7),
+        claim_until: Some(store::after_ms(LONG)),
+        release_claim: false,
+        leases: leases.clone(),
+        owner: "test-owner".into(),
+    };
+    let far = store::after_ms(LONG);
+    assert!(s
+        .finish(
+            &id("b1"),
+            e,
+            Finish::Completed {
+                response: answer(1),
+                expires_at: far,
+                effects
+            }
+        )
+        .await
+        .unwrap());
+    s.unlock_entities(&leases, "test-owner").await.unwrap();
+    let st = s.entity_states(&ents).await.unwrap();
+    assert_eq!(st.len(), 1);
+    assert_eq!(st[0].version, Some(7));
+    assert_eq!(
+        st[0].claim.as_ref().map(|c| c.owner.key.as_str()),
+        Some("b1")
+    );
+    assert!(s
+        .entity_states(&["slot:none".to_string()])
+        .await
+        .unwrap()
+        .is_empty());
+
+    // A stale holder (its epoch fenced off) cannot lower the version or change the claim.
+    let leases = s
+        .lock_entities(&ents, "test-owner", LONG, Duration::ZERO)
+        .await
+        .unwrap()
+        .unwrap();
+    let e2 = owned(
+        s.reserve(reservation("b2", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    let stale = Effects {
+        entities: ents.clone(),
+        version: Some(3),
+        leases: leases.clone(),
+        owner: "test-owner".into(),
+        ..Default::default()
+    };
+    assert!(s
+        .finish(
+            &id("b2"),
+            e2,
+            Finish::Completed {
+                response: answer(2),
+                expires_at: far,
+                effects: stale
+            }
+        )
+        .await
+        .unwrap());
+    assert_eq!(
+        s.entity_states(&ents).await.unwrap()[0].version,
+        Some(7),
+        "versions only grow"
+    );
+    let release = Effects {
+        entities: ents.clone(),
+        release_claim: true,
+        leases: leases.clone(),
+        owner: "test-owner".into(),
+        ..Default::default()
+    };
+    let e3 = owned(
+        s.reserve(reservation("b3", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    assert!(s
+        .finish(
+            &id("b3"),
+            e3,
+            Finish::Completed {
+                response: answer(3),
+                expires_at: far,
+                effects: release
+            }
+        )
+        .await
+        .unwrap());
+    s.unlock_entities(&leases, "test-owner").await.unwrap();
+    assert!(s.entity_states(&ents).await.unwrap()[0].claim.is_none());
+    assert!(
+        !s.release_claim("slot:1").await.unwrap(),
+        "nothing left to release"
+    );
+
+    // Audit rows by entity and by key; purge removes the expired ones only.
+    let row = |key: &str, decision: &str, expires_at: i64| AuditRow {
+        at: store::now_ms(),
+        upstream: "api".into(),
+        route: "r".into(),
+        entities: ents.clone(),
+        key: Some(key.into()),
+        fingerprint: Some("fp".into()),
+        decision: decision.into(),
+        upstream_status: Some(201),
+        total_ms: 3,
+        lock_wait_ms: 1,
+        upstream_ms: Some(2),
+        expires_at,
+    };
+    s.append_audit(vec![
+        row("b1", "forwarded", far),
+        row("b1", "replayed", far),
+        row("old", "forwarded", 1),
+    ])
+    .await
+    .unwrap();
+    let hist = s.audit_for_entity("slot:1", 10).await.unwrap();
+    assert_eq!(hist.len(), 3);
+    assert_eq!(hist[0].decision, "forwarded", "newest first");
+    assert_eq!(s.audit_for_key("b1", 10).await.unwrap().len(), 2);
+    let expired = owned(
+        s.reserve(reservation("gone", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    assert!(s
+        .finish(
+            &id("gone"),
+            expired,
+            Finish::Completed {
+                response: answer(4),
+                expires_at: 1,
+                effects: Default::default()
+            }
+        )
+        .await
+        .unwrap());
+    assert!(s.purge(500, 0).await.unwrap() >= 2);
+    assert!(
+        s.get(&id("gone")).await.unwrap().is_none(),
+        "expired completed key purged"
+    );
+    assert!(s.get(&id("b1")).await.unwrap().is_some(), "live key kept");
+    assert_eq!(
+        s.audit_for_entity("slot:1", 10).await.unwrap().len(),
+        2,
+        "expired audit row purged"
+    );
+    assert_eq!(
+        s.entity_states(&ents).await.unwrap()[0].version,
+        Some(7),
+        "versions are state, never purged"
+    );
+    s.close().await;
+}
+
+#[tokio::test]
+async fn sqlite_store_passes_the_ordered_suite() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("o.db").display());
+    ordered_suite(store::open(&url, LONG, false).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_store_passes_the_ordered_suite() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    ordered_suite(store::open(&pg.url, LONG, false).await.unwrap()).await;
+}
+
 #[tokio::test]
 async fn sqlite_store_passes_the_suite() {
     let dir = tempfile::tempdir().unwrap();
