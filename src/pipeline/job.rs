@@ -2,14 +2,14 @@
 //! when the client hung up; then the outcome table, the effects, the audit row.
 
 use super::entities::StoreLeases;
-use super::respond;
+use super::{respond, store_error};
 use crate::audit::Trace;
 use crate::config::Route;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::forward::{self, Outcome};
 use crate::locks::LockGuard;
 use crate::proxy::AppState;
-use crate::store::{after_ms, Effects, Finish};
+use crate::store::{after_ms, Effects, Finish, KeyRecord, Reservation, Reserved};
 use crate::upstream::{ProxyBody, UpstreamClient};
 use http::{Request, Response};
 use std::sync::Arc;
@@ -31,12 +31,51 @@ pub(super) struct Job {
     pub(super) version: Option<i64>,
     /// Cross-replica entity leases, released right after the outcome is stored.
     pub(super) leases: StoreLeases,
-    /// Held until the outcome is stored: the key slot and the entity locks.
-    pub(super) guards: (LockGuard, Vec<LockGuard>),
+    /// Held until the outcome is stored: the key slot (handed back if the key was taken)
+    /// and the entity locks.
+    pub(super) slot: Option<LockGuard>,
+    pub(super) entity_guards: Vec<LockGuard>,
+}
+
+/// How a job ended.
+pub(super) enum JobEnd {
+    /// Forwarded (or failed to reserve): the answer for the client.
+    Done(ProxyResult<Response<ProxyBody>>),
+    /// Another process holds the key: the pipeline decides again, keeping its slot and trace.
+    Taken {
+        record: Box<KeyRecord>,
+        slot: Option<LockGuard>,
+        trace: Option<Trace>,
+    },
 }
 
 impl Job {
-    pub(super) async fn run(mut self, req: Request<ProxyBody>) -> ProxyResult<Response<ProxyBody>> {
+    /// Step 5 (reserve durably; nothing is forwarded before this commit), then 6–7.
+    pub(super) async fn run(mut self, reservation: Reservation, req: Request<ProxyBody>) -> JobEnd {
+        match self.state.store.reserve(reservation).await {
+            Ok(Reserved::Owned { epoch }) => self.epoch = epoch,
+            Ok(Reserved::Existing(record)) => {
+                self.leases.release().await;
+                return JobEnd::Taken {
+                    record,
+                    slot: self.slot,
+                    trace: self.trace,
+                };
+            }
+            Err(e) => {
+                self.leases.release().await;
+                let err = store_error(&self.state, e);
+                if let Some(t) = self.trace.take() {
+                    t.record(&self.state.auditor, err.kind.as_str());
+                }
+                return JobEnd::Done(Err(err));
+            }
+        }
+        JobEnd::Done(self.forward(req).await)
+    }
+
+    /// Steps 6–7: forward, store the outcome, release the locks, record the audit row.
+    async fn forward(mut self, req: Request<ProxyBody>) -> ProxyResult<Response<ProxyBody>> {
         let up = self.client.upstream.clone();
         let started = Instant::now();
         let outcome = {
@@ -98,7 +137,7 @@ impl Job {
             }
         }
         self.leases.release().await;
-        drop(self.guards);
+        drop((self.slot, self.entity_guards));
         if let Some(mut t) = self.trace.take() {
             t.upstream_time = Some(started.elapsed());
             t.upstream_status = status;

@@ -7,7 +7,7 @@ mod entities;
 mod job;
 
 use entities::lock_entities;
-use job::Job;
+use job::{Job, JobEnd};
 
 use crate::audit::Trace;
 use crate::checks;
@@ -15,7 +15,7 @@ use crate::config::{InFlight, Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::prepare::{self, Input, KeyPlan, Prepared};
 use crate::proxy::{self, AppState, Target};
-use crate::store::{now_ms, KeyRecord, KeyState, Reservation, Reserved, StoredResponse};
+use crate::store::{now_ms, KeyRecord, KeyState, Reservation, StoredResponse};
 use crate::upstream::{full, request_headers, ProxyBody};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
@@ -111,9 +111,11 @@ async fn protected(
     trace: &mut Option<Trace>,
 ) -> ProxyResult<Response<ProxyBody>> {
     let upstream = target.upstream;
+    let client = proxy::client(state, upstream)?.clone();
+    let outgoing = Outgoing::new(&client, target, p, parts, body)?;
     // Step 2: one local request per scoped key at a time; the rest queue here.
     let slot_name = format!("{}\n{}\n{}", p.id.upstream, p.id.scope, p.id.key);
-    let slot = {
+    let mut slot = Some({
         let _waiting = state.stats.wait();
         let wait = (route.in_flight == InFlight::Wait).then_some(route.lock_timeout);
         state
@@ -121,9 +123,9 @@ async fn protected(
             .lock(&slot_name, wait)
             .await
             .map_err(|_| in_progress())?
-    };
+    });
     let deadline = Instant::now() + route.lock_timeout;
-    let (entity_guards, leases, epoch) = loop {
+    loop {
         // Subscribed before reading, so a completion in another replica cannot slip between.
         let woken = state.store.subscribe_key(&p.id);
         let record = state
@@ -147,11 +149,10 @@ async fn protected(
         if let Some(t) = trace.as_mut() {
             t.lock_wait += waited.elapsed();
         }
-        let (guards, leases) = locked?;
+        let (entity_guards, leases) = locked?;
 
         // Step 4: claim, version and precheck, inside the locks (ordered persistence).
-        let client = proxy::client(state, upstream)?;
-        checks::run(state.store.as_ref(), route, p, client, &parts.headers)
+        checks::run(state.store.as_ref(), route, p, &client, &outgoing.headers)
             .await
             .inspect_err(|e| {
                 if e.kind == ErrorKind::StoreUnavailable {
@@ -159,7 +160,9 @@ async fn protected(
                 }
             })?;
 
-        // Step 5: reserve durably; nothing is forwarded before this commit.
+        // Steps 5–7 run detached from this connection: once the reservation is sent, the
+        // forward and the stored outcome follow even if the client hangs up meanwhile, so a
+        // reservation is never left behind without its forward.
         let reservation = Reservation {
             id: p.id.clone(),
             fingerprint: p.fingerprint.clone(),
@@ -169,14 +172,40 @@ async fn protected(
             lease: state.config.store.lease,
             take_unknown,
         };
-        let reserved = state.store.reserve(reservation).await;
-        match reserved.map_err(|e| store_error(state, e))? {
-            Reserved::Owned { epoch } => break (guards, leases, epoch),
-            // Another replica got there between our look-up and our reservation.
-            Reserved::Existing(rec) => {
-                drop(guards);
-                leases.release().await;
-                match decide(Some(&rec), p, upstream, route)? {
+        let job = Job {
+            state: state.clone(),
+            client: client.clone(),
+            route: route.clone(),
+            id: p.id.clone(),
+            key: p.key.clone(),
+            epoch: 0,
+            trace: trace.take(),
+            entities: p.entities.clone(),
+            version: p.version,
+            leases,
+            slot: slot.take(),
+            entity_guards,
+        };
+        let ended = state
+            .tracker
+            .spawn(job.run(reservation, outgoing.request()))
+            .await
+            .map_err(|e| {
+                ProxyError::new(
+                    ErrorKind::UpstreamTimeout,
+                    format!("the upstream call failed: {e}"),
+                )
+            })?;
+        match ended {
+            JobEnd::Done(result) => return result,
+            // Another replica reserved the key between our look-up and our reservation.
+            JobEnd::Taken {
+                record,
+                slot: s,
+                trace: t,
+            } => {
+                (slot, *trace) = (s, t);
+                match decide(Some(&record), p, upstream, route)? {
                     Decision::Replay(stored) => return Ok(replay(state, &stored, &p.key)),
                     Decision::WaitForeign(until) => {
                         wait_foreign(state, woken, until, deadline).await?
@@ -185,45 +214,52 @@ async fn protected(
                 }
             }
         }
-    };
-
-    // Steps 6–7: forward detached from this connection, store, release, answer.
-    let client = proxy::client(state, upstream)?.clone();
-    let mut headers = request_headers(parts.headers);
-    if let Some(native) = &upstream.native_idempotency_header {
-        if let Ok(v) = HeaderValue::from_str(&p.key) {
-            headers.insert(native.clone(), v);
-        }
     }
-    let uri = client.uri(&target.path_and_query()).map_err(|e| {
-        ProxyError::new(
-            ErrorKind::BadPath,
-            format!("cannot build the upstream URL: {e}"),
-        )
-    })?;
-    let mut out = Request::new(full(body));
-    *out.method_mut() = parts.method;
-    *out.uri_mut() = uri;
-    *out.headers_mut() = headers;
-    let job = Job {
-        state: state.clone(),
-        client,
-        route: route.clone(),
-        id: p.id.clone(),
-        key: p.key.clone(),
-        epoch,
-        trace: trace.take(),
-        entities: p.entities.clone(),
-        version: p.version,
-        leases,
-        guards: (slot, entity_guards),
-    };
-    match state.tracker.spawn(job.run(out)).await {
-        Ok(result) => result,
-        Err(e) => Err(ProxyError::new(
-            ErrorKind::UpstreamTimeout,
-            format!("the upstream call failed: {e}"),
-        )),
+}
+
+/// The upstream request of a protected call, built once: hop-by-hop headers gone, the native
+/// idempotency header set, the body shared (`Bytes`), never copied.
+struct Outgoing {
+    method: http::Method,
+    uri: http::Uri,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Outgoing {
+    fn new(
+        client: &crate::upstream::UpstreamClient,
+        target: &Target<'_>,
+        p: &Prepared,
+        parts: http::request::Parts,
+        body: Bytes,
+    ) -> ProxyResult<Outgoing> {
+        let mut headers = request_headers(parts.headers);
+        if let Some(native) = &target.upstream.native_idempotency_header {
+            if let Ok(v) = HeaderValue::from_str(&p.key) {
+                headers.insert(native.clone(), v);
+            }
+        }
+        let uri = client.uri(&target.path_and_query()).map_err(|e| {
+            ProxyError::new(
+                ErrorKind::BadPath,
+                format!("cannot build the upstream URL: {e}"),
+            )
+        })?;
+        Ok(Outgoing {
+            method: parts.method,
+            uri,
+            headers,
+            body,
+        })
+    }
+
+    fn request(&self) -> Request<ProxyBody> {
+        let mut out = Request::new(full(self.body.clone()));
+        *out.method_mut() = self.method.clone();
+        *out.uri_mut() = self.uri.clone();
+        *out.headers_mut() = self.headers.clone();
+        out
     }
 }
 
@@ -367,7 +403,7 @@ fn entity_busy(route: &Route) -> ProxyError {
     .retry_after(Duration::from_secs(1))
 }
 
-fn store_error(state: &AppState, e: crate::store::StoreError) -> ProxyError {
+pub(super) fn store_error(state: &AppState, e: crate::store::StoreError) -> ProxyError {
     state.stats.on_store_error();
     tracing::error!(error = %e, "store unavailable; failing closed");
     ProxyError::store(e)
