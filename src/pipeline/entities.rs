@@ -8,6 +8,7 @@ use crate::prepare::Prepared;
 use crate::proxy::AppState;
 use crate::store::{EntityLease, Store};
 use std::sync::Arc;
+use tokio::sync::oneshot;
 use tokio::time::Instant;
 
 /// Step 3: local entity locks, then the store's cross-replica leases, all by `deadline`.
@@ -27,21 +28,22 @@ pub(super) async fn lock_entities(
     if p.entities.is_empty() {
         return Ok((guards, StoreLeases::none(state)));
     }
-    let lease = state.config.store.lease;
-    let held = state
-        .store
-        .lock_entities(&p.entities, &state.owner, lease, left())
+    // Taken in a task of its own and handed over as a guard: if this request is cancelled
+    // (the client hung up) while leases are being taken, the guard drops and releases them
+    // instead of leaving the entities locked until the leases run out.
+    let (tx, rx) = oneshot::channel();
+    let (store, owner, entities) = (state.store.clone(), state.owner.clone(), p.entities.clone());
+    let (lease, timeout) = (state.config.store.lease, left());
+    tokio::spawn(async move {
+        let taken = store.lock_entities(&entities, &owner, lease, timeout).await;
+        let _ = tx.send(taken.map(|held| held.map(|held| StoreLeases { store, owner, held })));
+    });
+    let leases = rx
         .await
+        .map_err(|_| entity_busy(route))?
         .map_err(|e| store_error(state, e))?
         .ok_or_else(|| entity_busy(route))?;
-    Ok((
-        guards,
-        StoreLeases {
-            store: state.store.clone(),
-            owner: state.owner.clone(),
-            held,
-        },
-    ))
+    Ok((guards, leases))
 }
 
 /// Entity leases held in the store; released on every path, by `release` or on drop.
