@@ -178,7 +178,7 @@ pub fn prepare(
     };
     let precheck_path = match &route.precheck {
         None => None,
-        Some(pc) => Some(pc.path.eval_one(&view).map_err(|field| {
+        Some(pc) => Some(pc.path.eval_url(&view).map_err(|field| {
             ProxyError::new(
                 ErrorKind::EntityMissing,
                 format!("the precheck path needs {{{field}}}, which the request lacks"),
@@ -186,6 +186,17 @@ pub fn prepare(
             .with_key(&key)
         })?),
     };
+    // A body value of `..` must not walk the precheck to another resource.
+    if let Some(path) = &precheck_path {
+        let only_path = path.split('?').next().unwrap_or_default();
+        crate::route::check_path(only_path).map_err(|why| {
+            ProxyError::new(
+                ErrorKind::BadPath,
+                format!("the precheck path {path:?}: {why}"),
+            )
+            .with_key(&key)
+        })?;
+    }
     let id = ScopedKey {
         upstream: upstream.name.clone(),
         scope: key::scope_hash(input.headers, &upstream.scope_headers),

@@ -6,7 +6,16 @@
 
 use crate::body::BodyPath;
 use http::{HeaderMap, HeaderName};
+use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde_json::Value;
+
+/// What a value substituted into a URL keeps as is: the unreserved characters of RFC 3986.
+/// Everything else (`/`, `?`, `#`, `%`, spaces...) is percent-encoded, so a value stays data.
+const URL_VALUE: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~');
 
 /// Where a template variable reads from.
 #[derive(Debug, Clone, PartialEq)]
@@ -111,12 +120,31 @@ impl Template {
     /// All values of the template (the product of multi-valued variables), or the name of the
     /// first missing field.
     pub fn eval(&self, view: &RequestView<'_>) -> Result<Vec<String>, String> {
+        self.eval_with(view, false)
+    }
+
+    /// One value for a URL (a precheck path): like [`Template::eval_one`], with every
+    /// variable's value percent-encoded, so `room 7` or `7?v=2` stays one path segment
+    /// instead of breaking the URL or pointing at another resource.
+    pub fn eval_url(&self, view: &RequestView<'_>) -> Result<String, String> {
+        let mut vals = self.eval_with(view, true)?;
+        vals.sort();
+        vals.dedup();
+        Ok(vals.join(","))
+    }
+
+    fn eval_with(&self, view: &RequestView<'_>, encode: bool) -> Result<Vec<String>, String> {
         let mut outs = vec![String::new()];
         for part in &self.parts {
             match part {
                 Part::Lit(s) => outs.iter_mut().for_each(|o| o.push_str(s)),
                 Part::Var(src) => {
-                    let vals = lookup(src, view)?;
+                    let mut vals = lookup(src, view)?;
+                    if encode {
+                        for v in &mut vals {
+                            *v = utf8_percent_encode(v, URL_VALUE).to_string();
+                        }
+                    }
                     if vals.len() == 1 {
                         outs.iter_mut().for_each(|o| o.push_str(&vals[0]));
                     } else {
@@ -250,6 +278,22 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("x-wf", "w1".parse().unwrap());
         assert_eq!(t.eval_one(&view(&h, None)).unwrap(), "w1:e1:r:fp");
+    }
+
+    #[test]
+    fn url_values_are_percent_encoded() {
+        let t = Template::parse("/slots/{body.id}?x=1").unwrap();
+        let h = HeaderMap::new();
+        let body = json!({"id": "room 7/b?c#d%"});
+        assert_eq!(
+            t.eval_url(&view(&h, Some(&body))).unwrap(),
+            "/slots/room%207%2Fb%3Fc%23d%25?x=1"
+        );
+        let body = json!({"id": "A-1.b_c~"});
+        assert_eq!(
+            t.eval_url(&view(&h, Some(&body))).unwrap(),
+            "/slots/A-1.b_c~?x=1"
+        );
     }
 
     #[test]
