@@ -74,7 +74,8 @@ RUST_LOG=warn ./target/release/idemproxy serve --config "$WORK/proxy.toml" 2>"$W
 echo $! > "$WORK/idemproxy.pid"
 for _ in $(seq 100); do curl -fs "http://127.0.0.1:$ADMIN/healthz" >/dev/null && break; sleep 0.1; done
 
-run() { # name url script
+run() { # id label url script
+  local id=$1; shift
   local out
   out=$(wrk -t$THREADS -c"$CONN" -d"${DUR}s" --latency -s "$3" "$2")
   local rps p50 p99 errors
@@ -83,24 +84,24 @@ run() { # name url script
   p99=$(echo "$out" | awk '$1=="99%" {print $2}')
   errors=$(echo "$out" | awk '/Non-2xx/ {print $5}')
   printf '%-34s %12s req/s   p50 %8s   p99 %8s   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${errors:-0}"
-  echo "$rps" > "$WORK/$(echo "$1" | tr -c 'a-z0-9' '_').rps"
+  echo "$rps" > "$WORK/$id.rps"
 }
 
 sed 's#/api/v1/charges#/api/v2/charges#' bench/first_write.lua > "$WORK/first_write_entity.lua"
 echo "wrk: $THREADS threads, $CONN connections, ${DUR}s each; $(nproc) cores"
-run "nginx proxy (POST)" "http://127.0.0.1:$NGX/api/v1/charges" bench/replay.lua
+run nginx "nginx proxy (POST)" "http://127.0.0.1:$NGX/api/v1/charges" bench/replay.lua
 curl -fs -X POST -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-replay-1' \
   -d '{"amount":100,"currency":"usd","customer":"cus_1"}' "http://127.0.0.1:$PROXY/api/v1/charges" >/dev/null
-run "idemproxy replay" "http://127.0.0.1:$PROXY/api/v1/charges" bench/replay.lua
-run "idemproxy first write" "http://127.0.0.1:$PROXY/api/v1/charges" bench/first_write.lua
-run "idemproxy first write + entity" "http://127.0.0.1:$PROXY/api/v2/charges" "$WORK/first_write_entity.lua"
+run replay "idemproxy replay" "http://127.0.0.1:$PROXY/api/v1/charges" bench/replay.lua
+run first "idemproxy first write" "http://127.0.0.1:$PROXY/api/v1/charges" bench/first_write.lua
+run entity "idemproxy first write + entity" "http://127.0.0.1:$PROXY/api/v2/charges" "$WORK/first_write_entity.lua"
 
 python3 - "$WORK" <<'PY'
 import sys, pathlib
 w = pathlib.Path(sys.argv[1])
 r = lambda n: float((w / n).read_text())
-base = r("nginx_proxy__post_.rps")
-print(f"\nreplay / nginx:       {r('idemproxy_replay.rps') / base:5.2f}x  (goal > 1)")
-print(f"first write / nginx:  {r('idemproxy_first_write.rps') / base:5.2f}x  (goal >= 0.5)")
+base = r("nginx.rps")
+print(f"\nreplay / nginx:       {r('replay.rps') / base:5.2f}x  (goal > 1)")
+print(f"first write / nginx:  {r('first.rps') / base:5.2f}x  (goal >= 0.5)")
 PY
 curl -fs "http://127.0.0.1:$ADMIN/metrics" | grep -E '^idemproxy_(forwards|replays|store_errors)_total' || true

@@ -113,26 +113,52 @@ async fn protected(
     let upstream = target.upstream;
     let client = proxy::client(state, upstream)?.clone();
     let outgoing = Outgoing::new(&client, target, p, parts, body)?;
-    // Step 2: one local request per scoped key at a time; the rest queue here.
+    // Step 2, fast path: a completed key replays at once, with no lock — concurrent replays
+    // of one key never queue behind each other.
+    let mut record = state
+        .store
+        .get(&p.id)
+        .await
+        .map_err(|e| store_error(state, e))?;
+    if let Some(rec) = &record {
+        if rec.effective_state(now_ms()) == KeyState::Completed {
+            if let Decision::Replay(stored) = decide(Some(rec), p, upstream, route)? {
+                return Ok(replay(state, &stored, &p.key));
+            }
+        }
+    }
+    // Otherwise one local request per scoped key at a time; the rest queue here.
     let slot_name = format!("{}\n{}\n{}", p.id.upstream, p.id.scope, p.id.key);
-    let mut slot = Some({
-        let _waiting = state.stats.wait();
-        let wait = (route.in_flight == InFlight::Wait).then_some(route.lock_timeout);
-        state
-            .key_locks
-            .lock(&slot_name, wait)
-            .await
-            .map_err(|_| in_progress())?
-    });
+    let mut immediate = true;
+    let slot = match state.key_locks.lock(&slot_name, None).await {
+        Ok(slot) => slot,
+        Err(_) if route.in_flight == InFlight::Reject => return Err(in_progress()),
+        Err(_) => {
+            // Someone else is on it: what we read is stale by the time we get the slot.
+            immediate = false;
+            let _waiting = state.stats.wait();
+            state
+                .key_locks
+                .lock(&slot_name, Some(route.lock_timeout))
+                .await
+                .map_err(|_| in_progress())?
+        }
+    };
+    let mut slot = Some(slot);
+    // An absent key read just now needs no second look (the reservation settles any race);
+    // anything else is read again after subscribing to its changes.
+    let mut fresh = immediate && record.is_none();
     let deadline = Instant::now() + route.lock_timeout;
     loop {
         // Subscribed before reading, so a completion in another replica cannot slip between.
         let woken = state.store.subscribe_key(&p.id);
-        let record = state
-            .store
-            .get(&p.id)
-            .await
-            .map_err(|e| store_error(state, e))?;
+        if !std::mem::take(&mut fresh) {
+            record = state
+                .store
+                .get(&p.id)
+                .await
+                .map_err(|e| store_error(state, e))?;
+        }
         let take_unknown = match decide(record.as_ref(), p, upstream, route)? {
             Decision::Replay(stored) => return Ok(replay(state, &stored, &p.key)),
             Decision::Proceed { take_unknown } => take_unknown,
