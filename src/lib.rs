@@ -21,6 +21,7 @@
 //! - [`locks`]: in-process one-holder/many-waiters locks for keys and entities.
 //! - [`store`]: the durable store trait and its SQLite backend (group commit).
 //! - [`audit`]: the audit trail (batched, off the request path) and retention purging.
+//! - [`cache`]: the replay cache of completed answers (no store round trip for hot replays).
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
 //! - [`metrics`]: counters shared by the pipeline and the admin listener.
 //! - [`error`]: the one error type of the request path and its mapping to JSON responses.
@@ -30,6 +31,7 @@
 pub mod admin;
 pub mod audit;
 pub mod body;
+pub mod cache;
 pub mod checks;
 pub mod cli;
 pub mod config;

@@ -359,3 +359,57 @@ async fn a_contended_store_never_lets_writes_to_one_entity_overlap() {
         "a slow store never lets two writes overlap"
     );
 }
+
+/// Replays come from each replica's memory, yet a release on one replica reaches the others'
+/// caches at once (NOTIFY), so the next retry anywhere is forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_release_on_one_replica_reaches_every_replay_cache() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let upstream = RecordingUpstream::start().await;
+    let dir = TestDir::new();
+    let ps = replicas(2, &dir, &config(&upstream, &pg.url, "30s")).await;
+    let body = json!({"customer": "cus_r"});
+    post_json(&ps[0].url("/api/charges"), Some("rel-1"), &body, &[])
+        .await
+        .assert_status(200);
+    for p in &ps {
+        // Twice each: the second is served from the replica's cache.
+        for _ in 0..2 {
+            let r = post_json(&p.url("/api/charges"), Some("rel-1"), &body, &[]).await;
+            assert_eq!(r.replayed(), Some(true));
+        }
+    }
+    assert_eq!(upstream.count(), 1);
+    let released = request(
+        "POST",
+        &ps[0].admin_url("/admin/keys/rel-1/release"),
+        &[],
+        "",
+    )
+    .await;
+    released.assert_status(200);
+    assert_eq!(released.json()["released"], 1);
+    // The other replica learns of it by NOTIFY; wait for that, then its retry is forwarded.
+    // The bound stays under the cache's own refresh (idemproxy::cache::FRESH_FOR_MS), so only
+    // the notification can make this pass.
+    let deadline =
+        Instant::now() + Duration::from_millis(idemproxy::cache::FRESH_FOR_MS as u64 - 1_000);
+    loop {
+        let r = post_json(&ps[1].url("/api/charges"), Some("rel-1"), &body, &[]).await;
+        if r.replayed() == Some(false) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "replica 1 kept replaying a released key"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        upstream.count(),
+        2,
+        "forwarded again once, on the other replica"
+    );
+}

@@ -23,6 +23,7 @@ pub(super) struct Job {
     pub(super) route: Arc<Route>,
     pub(super) id: crate::store::ScopedKey,
     pub(super) key: String,
+    pub(super) fingerprint: String,
     pub(super) epoch: i64,
     /// Recorded once the outcome is stored.
     pub(super) trace: Option<Trace>,
@@ -92,6 +93,7 @@ impl Job {
             Outcome::NotSent(_) => ErrorKind::UpstreamUnreachable.as_str(),
             Outcome::Unknown(_) => "unknown",
         };
+        let mut cache_until = None;
         let (finish, answer) = match outcome {
             Outcome::Answer(resp) if up.release_statuses.contains(&resp.status) => {
                 (Finish::Released, Ok(resp))
@@ -102,6 +104,7 @@ impl Job {
                     .retention
                     .unwrap_or(self.state.config.store.retention);
                 let expires_at = after_ms(retention);
+                cache_until = Some(expires_at);
                 (
                     Finish::Completed {
                         response: resp.clone(),
@@ -127,7 +130,15 @@ impl Job {
             ),
         };
         match self.state.store.finish(&self.id, self.epoch, finish).await {
-            Ok(true) => {}
+            Ok(true) => {
+                // Stored: the next retry replays from memory.
+                if let (Some(expires_at), Ok(resp)) = (cache_until, &answer) {
+                    let cached = Arc::new(resp.clone());
+                    self.state
+                        .cache
+                        .put(&self.id, &self.fingerprint, cached, expires_at);
+                }
+            }
             Ok(false) => {
                 tracing::warn!(key = %self.key, "our reservation was taken over; the answer was not stored")
             }

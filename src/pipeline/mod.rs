@@ -114,7 +114,13 @@ async fn protected(
     let client = proxy::client(state, upstream)?.clone();
     let outgoing = Outgoing::new(&client, target, p, parts, body)?;
     // Step 2, fast path: a completed key replays at once, with no lock — concurrent replays
-    // of one key never queue behind each other.
+    // of one key never queue behind each other — and, when cached, with no store read.
+    if let Some(hit) = state.cache.get(&p.id) {
+        if hit.fingerprint == p.fingerprint {
+            return Ok(replay(state, &hit.response, &p.key));
+        }
+        return Err(key_reused());
+    }
     let mut record = state
         .store
         .get(&p.id)
@@ -122,6 +128,7 @@ async fn protected(
         .map_err(|e| store_error(state, e))?;
     if let Some(rec) = &record {
         if rec.effective_state(now_ms()) == KeyState::Completed {
+            state.cache.put_record(rec);
             if let Decision::Replay(stored) = decide(Some(rec), p, upstream, route)? {
                 return Ok(replay(state, &stored, &p.key));
             }
@@ -204,6 +211,7 @@ async fn protected(
             route: route.clone(),
             id: p.id.clone(),
             key: p.key.clone(),
+            fingerprint: p.fingerprint.clone(),
             epoch: 0,
             trace: trace.take(),
             entities: p.entities.clone(),
@@ -303,10 +311,7 @@ fn decide(
     };
     let state = rec.effective_state(now_ms());
     if state != KeyState::Released && rec.fingerprint != p.fingerprint {
-        return Err(ProxyError::new(
-            ErrorKind::KeyReused,
-            "this idempotency key was used for a different request (method, path, query or body differ)",
-        ));
+        return Err(key_reused());
     }
     Ok(match state {
         KeyState::Released => Decision::Proceed {
@@ -408,6 +413,13 @@ async fn read_body(body: Incoming, headers: &HeaderMap, max: usize) -> ProxyResu
             format!("the request body could not be read: {e}"),
         )),
     }
+}
+
+fn key_reused() -> ProxyError {
+    ProxyError::new(
+        ErrorKind::KeyReused,
+        "this idempotency key was used for a different request (method, path, query or body differ)",
+    )
 }
 
 fn in_progress() -> ProxyError {

@@ -144,6 +144,9 @@ pub enum Finish {
     Unknown,
 }
 
+/// See [`Store::observe_releases`].
+pub type ReleaseObserver = std::sync::Arc<dyn Fn(Option<&str>) + Send + Sync>;
+
 /// A held cross-process lease on one entity, with its fencing epoch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EntityLease {
@@ -303,6 +306,15 @@ pub trait Store: Send + Sync + 'static {
     /// `expires_at`, released keys last touched before `released_before`, audit rows past
     /// their `expires_at`, lapsed claims. Returns how many rows went.
     async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64>;
+
+    /// Registers `f`, called with a key that another process released (`None`: any key may
+    /// have changed, after a lost notification connection), so in-memory copies of completed
+    /// answers can be dropped. A one-process store has no one else to hear from.
+    fn observe_releases(&self, _f: ReleaseObserver) {}
+
+    /// Tells CLI processes on this machine where the running proxy's admin API is (SQLite
+    /// writes it into the lock file it holds). Nothing to do for a shared store.
+    fn advertise_admin(&self, _addr: std::net::SocketAddr) {}
 
     /// Whether the store answers (readiness).
     async fn ping(&self) -> StoreResult<()>;

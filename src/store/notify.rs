@@ -16,6 +16,8 @@ const PRUNE_AT: usize = 1024;
 pub struct Hub {
     // std Mutex: held for a map look-up only, never across an await.
     topics: Mutex<HashMap<String, watch::Sender<u64>>>,
+    /// Told of releases made elsewhere (see `Store::observe_releases`).
+    observer: Mutex<Option<super::ReleaseObserver>>,
 }
 
 impl Hub {
@@ -43,12 +45,34 @@ impl Hub {
 
     /// Wakes everyone (after a lost connection, when notifications may have been missed).
     pub fn publish_all(&self) {
-        let map = self.topics.lock().unwrap_or_else(|p| p.into_inner());
-        for tx in map.values() {
-            tx.send_modify(|n| *n = n.wrapping_add(1));
+        {
+            let map = self.topics.lock().unwrap_or_else(|p| p.into_inner());
+            for tx in map.values() {
+                tx.send_modify(|n| *n = n.wrapping_add(1));
+            }
+        }
+        self.released(None);
+    }
+
+    pub fn set_observer(&self, f: super::ReleaseObserver) {
+        *self.observer.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
+    }
+
+    /// A key was released elsewhere (`None`: any key may have been).
+    pub fn released(&self, key: Option<&str>) {
+        let f = self
+            .observer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        if let Some(f) = f {
+            f(key);
         }
     }
 }
+
+/// The payload announcing a key's release to other replicas' replay caches.
+pub const RELEASED_PREFIX: &str = "r:";
 
 /// The topic of a key.
 pub fn key_topic(id: &super::ScopedKey) -> String {

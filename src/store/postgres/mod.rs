@@ -16,7 +16,7 @@
 
 mod ordered;
 
-use super::notify::{entity_topic, key_topic, Hub};
+use super::notify::{entity_topic, key_topic, Hub, RELEASED_PREFIX};
 use super::*;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{PgPool, Row};
@@ -68,7 +68,10 @@ async fn listen(mut listener: PgListener, hub: Arc<Hub>) {
         match listener.try_recv().await {
             Ok(Some(n)) => {
                 backoff = Duration::from_millis(100);
-                hub.publish(n.payload());
+                match n.payload().strip_prefix(RELEASED_PREFIX) {
+                    Some(key) => hub.released(Some(key)),
+                    None => hub.publish(n.payload()),
+                }
             }
             Ok(None) => {
                 tracing::warn!("LISTEN connection lost; reconnecting");
@@ -227,6 +230,10 @@ impl Store for PgStore {
         Ok(res.rows_affected() == 1)
     }
 
+    fn observe_releases(&self, f: ReleaseObserver) {
+        self.hub.set_observer(f);
+    }
+
     fn subscribe_key(&self, id: &ScopedKey) -> Option<tokio::sync::watch::Receiver<u64>> {
         Some(self.hub.subscribe(&key_topic(id)))
     }
@@ -324,9 +331,10 @@ impl Store for PgStore {
     async fn release_key(&self, key: &str) -> StoreResult<u64> {
         let rows = sqlx::query(&format!(
             "WITH u AS (UPDATE idem_keys SET state = 'released', owner = NULL, updated_at = {NOW} \
-             WHERE key = $1 AND state <> 'released' AND NOT (state = 'in_flight' AND lease_until >= {NOW}) \
+             WHERE key = $1 AND state <> 'released' AND NOT (state = 'in_flight' AND lease_until > {NOW}) \
              RETURNING upstream, scope, key) \
-             SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u"
+             SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text, \
+                    pg_notify('{CHANNEL}', '{RELEASED_PREFIX}' || key)::text FROM u"
         ))
         .bind(key)
         .fetch_all(&self.pool)

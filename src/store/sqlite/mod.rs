@@ -65,15 +65,33 @@ impl SqliteStore {
     }
 }
 
-fn lock_file(db: &std::path::Path) -> StoreResult<std::fs::File> {
+fn lock_path(db: &std::path::Path) -> std::path::PathBuf {
     let mut path = db.as_os_str().to_owned();
     path.push(".lock");
+    path.into()
+}
+
+/// The admin address of the `serve` process holding this database, if one runs: it writes
+/// the address into the lock file it holds. The CLI releases keys through it, so the running
+/// proxy's replay cache forgets them at once.
+pub fn running_admin(url: &str) -> Option<std::net::SocketAddr> {
+    let opts = SqliteConnectOptions::from_str(url).ok()?;
+    let path = lock_path(opts.get_filename());
+    let file = std::fs::File::open(&path).ok()?;
+    if file.try_lock_shared().is_ok() {
+        return None; // nobody holds it: no proxy is running
+    }
+    std::fs::read_to_string(&path).ok()?.trim().parse().ok()
+}
+
+fn lock_file(db: &std::path::Path) -> StoreResult<std::fs::File> {
+    let path = lock_path(db);
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(&path)
-        .map_err(|e| StoreError(format!("cannot open {}: {e}", path.to_string_lossy())))?;
+        .map_err(|e| StoreError(format!("cannot open {}: {e}", path.display())))?;
     file.try_lock().map_err(|_| {
         StoreError(format!(
             "{} is in use by another idemproxy serve process; SQLite serves one process (use PostgreSQL for several replicas)",
@@ -87,6 +105,19 @@ fn lock_file(db: &std::path::Path) -> StoreResult<std::fs::File> {
 impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
         "sqlite"
+    }
+
+    fn advertise_admin(&self, addr: std::net::SocketAddr) {
+        use std::io::{Seek, Write};
+        if let Some(mut f) = self._lock.as_ref() {
+            let written = f
+                .set_len(0)
+                .and_then(|_| f.rewind())
+                .and_then(|_| f.write_all(addr.to_string().as_bytes()));
+            if let Err(e) = written {
+                tracing::warn!(error = %e, "cannot write the admin address into the lock file");
+            }
+        }
     }
 
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
