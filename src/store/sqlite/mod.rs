@@ -10,6 +10,7 @@
 //! `<db>.lock`, so a second `serve` on the same file refuses to start, and any record still
 //! `in_flight` at start was left by a dead process: it becomes `unknown` at once.
 
+mod batch;
 mod writer;
 mod writes;
 
@@ -133,18 +134,11 @@ impl Store for SqliteStore {
     }
 
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
-        self.writer
-            .write(move |c, now| Box::pin(async move { writes::reserve(c, &r, now).await }))
-            .await
+        self.writer.reserve(r).await
     }
 
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        let id = id.clone();
-        self.writer
-            .write(move |c, now| {
-                Box::pin(async move { writes::finish(c, &id, epoch, outcome, now).await })
-            })
-            .await
+        self.writer.finish(id.clone(), epoch, outcome).await
     }
 
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
@@ -208,9 +202,7 @@ impl Store for SqliteStore {
     }
 
     async fn append_audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
-        self.writer
-            .write(move |c, _| Box::pin(async move { writes::append_audit(c, &rows).await }))
-            .await
+        self.writer.audit(rows).await
     }
 
     async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {

@@ -4,7 +4,7 @@
 //! hear back only after the `COMMIT` — so a result is never acted on before it is durable —
 //! while every job queued meanwhile shares that one commit and its fsync.
 
-use crate::store::{StoreError, StoreResult};
+use crate::store::{AuditRow, Finish, Reservation, Reserved, ScopedKey, StoreError, StoreResult};
 use sqlx::{Connection, SqliteConnection};
 use std::future::Future;
 use std::pin::Pin;
@@ -19,6 +19,18 @@ pub type ConnFuture<'c, T> = Pin<Box<dyn Future<Output = StoreResult<T>> + Send 
 /// A result held until the commit says whether it stands (called with the commit error).
 type Delivery = Box<dyn FnOnce(Option<&str>) + Send>;
 
+type Reply<T> = oneshot::Sender<StoreResult<T>>;
+
+/// Holds `res` until the commit; a failed commit turns it into that error.
+fn deliver<T: Send + 'static>(reply: Reply<T>, res: StoreResult<T>) -> Delivery {
+    Box::new(move |failure: Option<&str>| {
+        let _ = reply.send(match failure {
+            Some(msg) => Err(StoreError(msg.to_owned())),
+            None => res,
+        });
+    })
+}
+
 /// One write: runs inside the batch's transaction, given the batch's clock (ms).
 type Job = Box<
     dyn for<'c> FnOnce(
@@ -30,6 +42,10 @@ type Job = Box<
 
 enum Msg {
     Job(Job),
+    /// The writes every request makes, aggregated per batch into one statement each.
+    Reserve(Reservation, Reply<Reserved>),
+    Finish(ScopedKey, i64, Finish, Reply<bool>),
+    Audit(Vec<AuditRow>, Reply<()>),
     /// Stop after this batch (sent by `close`, once requests are done).
     Close(oneshot::Sender<()>),
 }
@@ -56,19 +72,29 @@ impl Writer {
         T: Send + 'static,
         F: for<'c> FnOnce(&'c mut SqliteConnection, i64) -> ConnFuture<'c, T> + Send + 'static,
     {
+        self.send(move |reply| {
+            Msg::Job(Box::new(move |conn, now| {
+                Box::pin(async move { deliver(reply, f(conn, now).await) })
+            }))
+        })
+        .await
+    }
+
+    pub async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
+        self.send(|reply| Msg::Reserve(r, reply)).await
+    }
+
+    pub async fn finish(&self, id: ScopedKey, epoch: i64, f: Finish) -> StoreResult<bool> {
+        self.send(|reply| Msg::Finish(id, epoch, f, reply)).await
+    }
+
+    pub async fn audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
+        self.send(|reply| Msg::Audit(rows, reply)).await
+    }
+
+    async fn send<T>(&self, msg: impl FnOnce(Reply<T>) -> Msg) -> StoreResult<T> {
         let (reply, rx) = oneshot::channel();
-        let job: Job = Box::new(move |conn, now| {
-            Box::pin(async move {
-                let res = f(conn, now).await;
-                Box::new(move |failure: Option<&str>| {
-                    let _ = reply.send(match failure {
-                        Some(msg) => Err(StoreError(msg.to_owned())),
-                        None => res,
-                    });
-                }) as Delivery
-            })
-        });
-        self.tx.send(Msg::Job(job)).await.map_err(|_| stopped())?;
+        self.tx.send(msg(reply)).await.map_err(|_| stopped())?;
         // A dropped reply means the batch could not even begin (logged by the writer).
         rx.await
             .map_err(|_| StoreError("the SQLite store cannot write (see the log)".into()))?
@@ -91,19 +117,40 @@ fn stopped() -> StoreError {
     StoreError("the SQLite writer has stopped".into())
 }
 
+/// One batch, sorted by kind.
+#[derive(Default)]
+struct Batch {
+    reserves: Vec<(Reservation, Reply<Reserved>)>,
+    finishes: Vec<(ScopedKey, i64, Finish, Reply<bool>)>,
+    audits: Vec<(Vec<AuditRow>, Reply<()>)>,
+    jobs: Vec<Job>,
+}
+
+impl Batch {
+    fn is_empty(&self) -> bool {
+        self.reserves.is_empty()
+            && self.finishes.is_empty()
+            && self.audits.is_empty()
+            && self.jobs.is_empty()
+    }
+}
+
 async fn run(mut conn: SqliteConnection, mut rx: mpsc::Receiver<Msg>) {
-    let mut batch = Vec::with_capacity(MAX_BATCH);
-    while rx.recv_many(&mut batch, MAX_BATCH).await > 0 {
-        let mut jobs = Vec::with_capacity(batch.len());
+    let mut msgs = Vec::with_capacity(MAX_BATCH);
+    while rx.recv_many(&mut msgs, MAX_BATCH).await > 0 {
+        let mut batch = Batch::default();
         let mut closing = None;
-        for msg in batch.drain(..) {
+        for msg in msgs.drain(..) {
             match msg {
-                Msg::Job(j) => jobs.push(j),
+                Msg::Job(j) => batch.jobs.push(j),
+                Msg::Reserve(r, reply) => batch.reserves.push((r, reply)),
+                Msg::Finish(id, epoch, f, reply) => batch.finishes.push((id, epoch, f, reply)),
+                Msg::Audit(rows, reply) => batch.audits.push((rows, reply)),
                 Msg::Close(tx) => closing = Some(tx),
             }
         }
-        if !jobs.is_empty() {
-            run_batch(&mut conn, jobs).await;
+        if !batch.is_empty() {
+            run_batch(&mut conn, batch).await;
         }
         if let Some(tx) = closing {
             let _ = tx.send(());
@@ -113,16 +160,59 @@ async fn run(mut conn: SqliteConnection, mut rx: mpsc::Receiver<Msg>) {
     let _ = conn.close().await;
 }
 
-/// Runs jobs in one transaction; their callers hear back only after the commit.
-async fn run_batch(conn: &mut SqliteConnection, jobs: Vec<Job>) {
+/// Delivers one result to every reply of a group (an error is copied to each).
+fn deliver_all<T: Send + 'static>(
+    replies: Vec<Reply<T>>,
+    res: StoreResult<Vec<T>>,
+    done: &mut Vec<Delivery>,
+) {
+    match res {
+        Ok(values) => done.extend(
+            replies
+                .into_iter()
+                .zip(values)
+                .map(|(r, v)| deliver(r, Ok(v))),
+        ),
+        Err(e) => done.extend(
+            replies
+                .into_iter()
+                .map(|r| deliver(r, Err(StoreError(e.0.clone())))),
+        ),
+    }
+}
+
+/// Runs a batch in one transaction: one statement per kind of request write, then the other
+/// jobs. Callers hear back only after the commit.
+async fn run_batch(conn: &mut SqliteConnection, batch: Batch) {
     if let Err(e) = sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await {
-        // Dropping the jobs unrun drops their replies: every caller gets an error.
-        tracing::error!(error = %e, jobs = jobs.len(), "SQLite cannot begin a write");
+        // Dropping the batch unrun drops its replies: every caller gets an error.
+        tracing::error!(error = %e, "SQLite cannot begin a write");
         return;
     }
     let now = crate::store::now_ms();
-    let mut done = Vec::with_capacity(jobs.len());
-    for job in jobs {
+    let mut done: Vec<Delivery> = Vec::new();
+    if !batch.reserves.is_empty() {
+        let (rs, replies): (Vec<_>, Vec<_>) = batch.reserves.into_iter().unzip();
+        let res = super::batch::reserve_many(conn, &rs, now).await;
+        deliver_all(replies, res, &mut done);
+    }
+    if !batch.finishes.is_empty() {
+        let (fs, replies): (Vec<_>, Vec<_>) = batch
+            .finishes
+            .into_iter()
+            .map(|(id, e, f, r)| ((id, e, f), r))
+            .unzip();
+        let res = super::batch::finish_many(conn, fs, now).await;
+        deliver_all(replies, res, &mut done);
+    }
+    if !batch.audits.is_empty() {
+        let (rows, replies): (Vec<_>, Vec<_>) = batch.audits.into_iter().unzip();
+        let rows: Vec<AuditRow> = rows.into_iter().flatten().collect();
+        let res = super::writes::append_audit(conn, &rows).await;
+        let n = replies.len();
+        deliver_all(replies, res.map(|()| vec![(); n]), &mut done);
+    }
+    for job in batch.jobs {
         done.push(job(conn, now).await);
     }
     let failure = match sqlx::query("COMMIT").execute(&mut *conn).await {

@@ -1,93 +1,13 @@
-//! The SQL of SQLite writes. Each runs inside the writer's batch transaction, given the
-//! batch's clock `now` (ms).
+//! The SQL of SQLite's other writes (the per-request ones are in [`super::batch`]). Each runs
+//! inside the writer's batch transaction, given the batch's clock `now` (ms).
 
-use super::KEY_COLUMNS;
 use crate::store::codec::encode_entities;
-use crate::store::rows;
-use crate::store::{AuditRow, Effects, Finish, Reservation, Reserved, ScopedKey, StoreResult};
-use sqlx::{Row, SqliteConnection};
-
-pub async fn reserve(
-    conn: &mut SqliteConnection,
-    r: &Reservation,
-    now: i64,
-) -> StoreResult<Reserved> {
-    let row = sqlx::query(
-        "INSERT INTO idem_keys (upstream, scope, key, fingerprint, route, entities, state, owner, lease_until, epoch, attempts, created_at, updated_at) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'in_flight', ?7, ?8, 1, 1, ?9, ?9) \
-         ON CONFLICT (upstream, scope, key) DO UPDATE SET \
-           fingerprint = excluded.fingerprint, route = excluded.route, entities = excluded.entities, \
-           state = 'in_flight', owner = excluded.owner, lease_until = excluded.lease_until, \
-           epoch = idem_keys.epoch + 1, attempts = idem_keys.attempts + 1, updated_at = excluded.updated_at, \
-           status = NULL, headers = NULL, body = NULL, expires_at = NULL \
-         WHERE idem_keys.state = 'released' \
-            OR (idem_keys.state = 'completed' AND idem_keys.expires_at < ?9) \
-            OR (?10 AND (idem_keys.state = 'unknown' OR (idem_keys.state = 'in_flight' AND idem_keys.lease_until <= ?9))) \
-         RETURNING epoch",
-    )
-    .bind(&r.id.upstream)
-    .bind(&r.id.scope)
-    .bind(&r.id.key)
-    .bind(&r.fingerprint)
-    .bind(&r.route)
-    .bind(encode_entities(&r.entities))
-    .bind(&r.owner)
-    .bind(now.saturating_add(r.lease.as_millis() as i64))
-    .bind(now)
-    .bind(r.take_unknown)
-    .fetch_optional(&mut *conn)
-    .await?;
-    if let Some(row) = row {
-        return Ok(Reserved::Owned {
-            epoch: row.try_get(0)?,
-        });
-    }
-    let existing = sqlx::query(&format!(
-        "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ? AND scope = ? AND key = ?"
-    ))
-    .bind(&r.id.upstream)
-    .bind(&r.id.scope)
-    .bind(&r.id.key)
-    .fetch_one(&mut *conn)
-    .await?;
-    Ok(Reserved::Existing(Box::new(rows::key_record(&existing)?)))
-}
-
-/// Stores the outcome if `epoch` still owns the key, then applies the effects.
-pub async fn finish(
-    conn: &mut SqliteConnection,
-    id: &ScopedKey,
-    epoch: i64,
-    outcome: Finish,
-    now: i64,
-) -> StoreResult<bool> {
-    let c = outcome.into_columns();
-    let res = sqlx::query(
-        "UPDATE idem_keys SET state = ?, status = ?, headers = ?, body = ?, expires_at = ?, owner = NULL, updated_at = ? \
-         WHERE upstream = ? AND scope = ? AND key = ? AND state = 'in_flight' AND epoch = ?",
-    )
-    .bind(c.state.as_str())
-    .bind(c.status.map(i64::from))
-    .bind(c.headers)
-    .bind(c.body.as_deref())
-    .bind(c.expires_at)
-    .bind(now)
-    .bind(&id.upstream)
-    .bind(&id.scope)
-    .bind(&id.key)
-    .bind(epoch)
-    .execute(&mut *conn)
-    .await?;
-    let owned = res.rows_affected() == 1;
-    if owned && !c.effects.is_empty() {
-        apply_effects(conn, id, &c.effects, now).await?;
-    }
-    Ok(owned)
-}
+use crate::store::{AuditRow, Effects, ScopedKey, StoreResult};
+use sqlx::SqliteConnection;
 
 /// Version and claim changes of a 2xx write. SQLite serves one process, whose in-process
 /// entity locks make the writer the only holder: no lease to check.
-async fn apply_effects(
+pub(super) async fn apply_effects(
     conn: &mut SqliteConnection,
     id: &ScopedKey,
     fx: &Effects,
@@ -187,26 +107,29 @@ pub async fn probe(conn: &mut SqliteConnection, now: i64) -> StoreResult<()> {
     Ok(())
 }
 
+/// One multi-row insert for the whole batch (one statement, not one per row).
 pub async fn append_audit(conn: &mut SqliteConnection, rows: &[AuditRow]) -> StoreResult<()> {
-    for r in rows {
-        sqlx::query(
+    // SQLite allows 32766 bound variables per statement; 12 per row.
+    for chunk in rows.chunks(2048) {
+        let mut qb = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
             "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-             total_ms, lock_wait_ms, upstream_ms, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        )
-        .bind(r.at)
-        .bind(&r.upstream)
-        .bind(&r.route)
-        .bind(encode_entities(&r.entities))
-        .bind(&r.key)
-        .bind(&r.fingerprint)
-        .bind(&r.decision)
-        .bind(r.upstream_status.map(i64::from))
-        .bind(r.total_ms)
-        .bind(r.lock_wait_ms)
-        .bind(r.upstream_ms)
-        .bind(r.expires_at)
-        .execute(&mut *conn)
-        .await?;
+             total_ms, lock_wait_ms, upstream_ms, expires_at) ",
+        );
+        qb.push_values(chunk, |mut b, r| {
+            b.push_bind(r.at)
+                .push_bind(&r.upstream)
+                .push_bind(&r.route)
+                .push_bind(encode_entities(&r.entities))
+                .push_bind(&r.key)
+                .push_bind(&r.fingerprint)
+                .push_bind(&r.decision)
+                .push_bind(r.upstream_status.map(i64::from))
+                .push_bind(r.total_ms)
+                .push_bind(r.lock_wait_ms)
+                .push_bind(r.upstream_ms)
+                .push_bind(r.expires_at);
+        });
+        qb.build().execute(&mut *conn).await?;
     }
     Ok(())
 }

@@ -1,0 +1,159 @@
+//! Multi-row statements for the writes every request makes: all reservations of a batch in
+//! one upsert, all outcomes in one update. sqlx hands each SQLite statement to a worker
+//! thread (tens of µs a trip), so a statement per batch rather than per request is what lets
+//! the writer keep up with many concurrent first writes.
+
+use super::writes::apply_effects;
+use super::KEY_COLUMNS;
+use crate::store::codec::encode_entities;
+use crate::store::rows;
+use crate::store::{Finish, Reservation, Reserved, ScopedKey, StoreResult};
+use sqlx::{QueryBuilder, Row, Sqlite, SqliteConnection};
+
+/// Rows per statement: SQLite binds at most 32766 variables.
+const CHUNK: usize = 2000;
+
+fn same(row: &sqlx::sqlite::SqliteRow, id: &ScopedKey) -> bool {
+    row.try_get::<&str, _>("upstream")
+        .is_ok_and(|u| u == id.upstream)
+        && row.try_get::<&str, _>("scope").is_ok_and(|s| s == id.scope)
+        && row.try_get::<&str, _>("key").is_ok_and(|k| k == id.key)
+}
+
+/// Reserves every key it can; the others come back as the record that stands.
+pub async fn reserve_many(
+    conn: &mut SqliteConnection,
+    rs: &[Reservation],
+    now: i64,
+) -> StoreResult<Vec<Reserved>> {
+    let mut out: Vec<Option<Reserved>> = rs.iter().map(|_| None).collect();
+    // Taking over unknown outcomes is a per-request choice: one statement per choice.
+    for take_unknown in [false, true] {
+        let group: Vec<usize> = (0..rs.len())
+            .filter(|&i| rs[i].take_unknown == take_unknown)
+            .collect();
+        for chunk in group.chunks(CHUNK) {
+            let mut qb = QueryBuilder::<Sqlite>::new(
+                "INSERT INTO idem_keys (upstream, scope, key, fingerprint, route, entities, state, owner, \
+                 lease_until, epoch, attempts, created_at, updated_at) ",
+            );
+            qb.push_values(chunk, |mut b, &i| {
+                let r = &rs[i];
+                b.push_bind(&r.id.upstream)
+                    .push_bind(&r.id.scope)
+                    .push_bind(&r.id.key)
+                    .push_bind(&r.fingerprint)
+                    .push_bind(&r.route)
+                    .push_bind(encode_entities(&r.entities))
+                    .push("'in_flight'")
+                    .push_bind(&r.owner)
+                    .push_bind(now.saturating_add(r.lease.as_millis() as i64))
+                    .push("1")
+                    .push("1")
+                    .push_bind(now)
+                    .push_bind(now);
+            });
+            qb.push(
+                " ON CONFLICT (upstream, scope, key) DO UPDATE SET \
+                   fingerprint = excluded.fingerprint, route = excluded.route, entities = excluded.entities, \
+                   state = 'in_flight', owner = excluded.owner, lease_until = excluded.lease_until, \
+                   epoch = idem_keys.epoch + 1, attempts = idem_keys.attempts + 1, updated_at = excluded.updated_at, \
+                   status = NULL, headers = NULL, body = NULL, expires_at = NULL \
+                 WHERE idem_keys.state = 'released' \
+                    OR (idem_keys.state = 'completed' AND idem_keys.expires_at < excluded.updated_at)",
+            );
+            if take_unknown {
+                qb.push(
+                    " OR idem_keys.state = 'unknown' \
+                      OR (idem_keys.state = 'in_flight' AND idem_keys.lease_until <= excluded.updated_at)",
+                );
+            }
+            qb.push(" RETURNING upstream, scope, key, epoch");
+            for row in qb.build().fetch_all(&mut *conn).await? {
+                // The first still-open request of this key owns it (a key twice in one batch:
+                // the second finds the first's reservation).
+                if let Some(&i) = chunk
+                    .iter()
+                    .find(|&&i| out[i].is_none() && same(&row, &rs[i].id))
+                {
+                    out[i] = Some(Reserved::Owned {
+                        epoch: row.try_get("epoch")?,
+                    });
+                }
+            }
+        }
+    }
+    let mut reserved = Vec::with_capacity(rs.len());
+    for (r, got) in rs.iter().zip(out) {
+        reserved.push(match got {
+            Some(owned) => owned,
+            None => Reserved::Existing(Box::new(existing(conn, &r.id).await?)),
+        });
+    }
+    Ok(reserved)
+}
+
+async fn existing(
+    conn: &mut SqliteConnection,
+    id: &ScopedKey,
+) -> StoreResult<crate::store::KeyRecord> {
+    let row = sqlx::query(&format!(
+        "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ? AND scope = ? AND key = ?"
+    ))
+    .bind(&id.upstream)
+    .bind(&id.scope)
+    .bind(&id.key)
+    .fetch_one(&mut *conn)
+    .await?;
+    rows::key_record(&row)
+}
+
+/// Stores every outcome whose epoch still owns its key; `false` for the fenced ones. Effects
+/// (versions, claims) follow for the stored 2xx answers.
+pub async fn finish_many(
+    conn: &mut SqliteConnection,
+    fs: Vec<(ScopedKey, i64, Finish)>,
+    now: i64,
+) -> StoreResult<Vec<bool>> {
+    let fs: Vec<_> = fs
+        .into_iter()
+        .map(|(id, epoch, f)| (id, epoch, f.into_columns()))
+        .collect();
+    let mut owned = vec![false; fs.len()];
+    let idx: Vec<usize> = (0..fs.len()).collect();
+    for chunk in idx.chunks(CHUNK) {
+        let mut qb = QueryBuilder::<Sqlite>::new(
+            "UPDATE idem_keys SET state = v.column5, status = v.column6, headers = v.column7, body = v.column8, \
+             expires_at = v.column9, owner = NULL, updated_at = ",
+        );
+        qb.push_bind(now).push(" FROM (");
+        qb.push_values(chunk, |mut b, &i| {
+            let (id, epoch, c) = &fs[i];
+            b.push_bind(&id.upstream)
+                .push_bind(&id.scope)
+                .push_bind(&id.key)
+                .push_bind(*epoch)
+                .push_bind(c.state.as_str())
+                .push_bind(c.status.map(i64::from))
+                .push_bind(c.headers.as_deref())
+                .push_bind(c.body.as_deref())
+                .push_bind(c.expires_at);
+        });
+        qb.push(
+            ") AS v WHERE idem_keys.upstream = v.column1 AND idem_keys.scope = v.column2 \
+             AND idem_keys.key = v.column3 AND idem_keys.state = 'in_flight' AND idem_keys.epoch = v.column4 \
+             RETURNING idem_keys.upstream AS upstream, idem_keys.scope AS scope, idem_keys.key AS key",
+        );
+        for row in qb.build().fetch_all(&mut *conn).await? {
+            if let Some(&i) = chunk.iter().find(|&&i| !owned[i] && same(&row, &fs[i].0)) {
+                owned[i] = true;
+            }
+        }
+    }
+    for (i, (id, _, c)) in fs.iter().enumerate() {
+        if owned[i] && !c.effects.is_empty() {
+            apply_effects(conn, id, &c.effects, now).await?;
+        }
+    }
+    Ok(owned)
+}
