@@ -190,6 +190,13 @@ async fn run_batch(conn: &mut SqliteConnection, batch: Batch) {
         return;
     }
     let now = crate::store::now_ms();
+    let started = std::time::Instant::now();
+    let sizes = (
+        batch.reserves.len(),
+        batch.finishes.len(),
+        batch.audits.len(),
+        batch.jobs.len(),
+    );
     let mut done: Vec<Delivery> = Vec::new();
     if !batch.reserves.is_empty() {
         let (rs, replies): (Vec<_>, Vec<_>) = batch.reserves.into_iter().unzip();
@@ -215,6 +222,7 @@ async fn run_batch(conn: &mut SqliteConnection, batch: Batch) {
     for job in batch.jobs {
         done.push(job(conn, now).await);
     }
+    let ran = started.elapsed();
     let failure = match sqlx::query("COMMIT").execute(&mut *conn).await {
         Ok(_) => None,
         Err(e) => {
@@ -223,6 +231,7 @@ async fn run_batch(conn: &mut SqliteConnection, batch: Batch) {
             Some(format!("commit failed: {e}"))
         }
     };
+    tracing::trace!(?sizes, ?ran, total = ?started.elapsed(), "write batch committed");
     for d in done {
         d(failure.as_deref());
     }
