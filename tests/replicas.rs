@@ -413,3 +413,40 @@ async fn a_release_on_one_replica_reaches_every_replay_cache() {
         "forwarded again once, on the other replica"
     );
 }
+
+/// A call that outlives its lease keeps the entity: the holder renews the lease while the
+/// upstream works, so another replica's write to the entity waits instead of overlapping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leases_are_renewed_while_a_long_call_runs() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let upstream = RecordingUpstream::builder()
+        .hold()
+        .entity_json("/customer")
+        .start()
+        .await;
+    let dir = TestDir::new();
+    let ps = replicas(2, &dir, &config(&upstream, &pg.url, "600ms")).await;
+    let (a, b) = (ps[0].url("/api/charges"), ps[1].url("/api/charges"));
+    let first = tokio::spawn(async move {
+        post_json(&a, Some("long-1"), &json!({"customer": "cus_long"}), &[]).await
+    });
+    upstream.wait_for_held(1).await;
+    let second = tokio::spawn(async move {
+        post_json(&b, Some("long-2"), &json!({"customer": "cus_long"}), &[]).await
+    });
+    wait_for_waiting(&ps, 1).await;
+    // Let wall-clock time run well past the lease: only renewal keeps replica 1 waiting.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    assert_eq!(
+        upstream.count(),
+        1,
+        "the second write did not take an entity whose holder is alive"
+    );
+    upstream.release_all();
+    first.await.unwrap().assert_status(200);
+    second.await.unwrap().assert_status(200);
+    assert_eq!(upstream.count(), 2);
+    assert_eq!(upstream.max_concurrent("cus_long"), 1);
+}
