@@ -121,7 +121,27 @@ pub fn explain(
         }
     );
     if let Some(v) = p.version {
-        let _ = writeln!(w, "version:     {v}");
+        let _ = writeln!(
+            w,
+            "version:     {v} (forwarded only if newer than every entity's accepted version)"
+        );
+    }
+    if route.claim {
+        let _ = writeln!(
+            w,
+            "claim:       the first key to succeed owns the entities (claim_ttl {:?})",
+            route.claim_ttl.unwrap_or_default()
+        );
+    }
+    if route.release_claim {
+        let _ = writeln!(w, "claim:       a 2xx answer releases the entities' claim");
+    }
+    if let (Some(pc), Some(path)) = (&route.precheck, &p.precheck_path) {
+        let _ = writeln!(
+            w,
+            "precheck:    {} {path} must answer {:?}",
+            pc.method, pc.expect_status
+        );
     }
     if let Some(native) = &upstream.native_idempotency_header {
         let _ = writeln!(w, "native:      sends {native}: {}", p.key);
