@@ -40,6 +40,29 @@ key = {{ header = "", derive = "{{header.x-delivery-id}}" }}
     )
 }
 
+/// Everything a replica test runs on; dropped together at the end of the test.
+struct Cluster {
+    pg: PgServer,
+    upstream: RecordingUpstream,
+    _dir: TestDir,
+    ps: Vec<ProxyProcess>,
+}
+
+/// A real PostgreSQL, a recording upstream (its entity: the body's `customer`) and `n`
+/// replicas with this `lease`; `None` (the test skips, loudly) without PostgreSQL.
+async fn cluster(n: usize, lease: &str, upstream: UpstreamBuilder) -> Option<Cluster> {
+    let pg = PgServer::start().await?;
+    let upstream = upstream.entity_json("/customer").start().await;
+    let dir = TestDir::new();
+    let ps = replicas(n, &dir, &config(&upstream, &pg.url, lease)).await;
+    Some(Cluster {
+        pg,
+        upstream,
+        _dir: dir,
+        ps,
+    })
+}
+
 async fn replicas(n: usize, dir: &TestDir, toml: &str) -> Vec<ProxyProcess> {
     let path = dir.write_config(toml);
     let mut out = Vec::new();
@@ -78,12 +101,15 @@ async fn wait_for_waiting(ps: &[ProxyProcess], n: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn twenty_identical_requests_over_three_replicas_forward_once() {
-    let Some(pg) = PgServer::start().await else {
+    let Some(Cluster {
+        pg: _pg,
+        upstream,
+        _dir,
+        ps,
+    }) = cluster(3, "30s", RecordingUpstream::builder().hold()).await
+    else {
         return;
     };
-    let upstream = RecordingUpstream::holding().await;
-    let dir = TestDir::new();
-    let ps = replicas(3, &dir, &config(&upstream, &pg.url, "30s")).await;
     for (path, headers) in [
         ("/api/charges", vec![("idempotency-key", "pay-1")]),
         ("/api/hooks", vec![("x-delivery-id", "delivery-1")]),
@@ -137,16 +163,15 @@ async fn twenty_identical_requests_over_three_replicas_forward_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn writes_to_one_entity_never_overlap_across_replicas() {
-    let Some(pg) = PgServer::start().await else {
+    let Some(Cluster {
+        pg: _pg,
+        upstream,
+        _dir,
+        ps,
+    }) = cluster(2, "30s", RecordingUpstream::builder().hold()).await
+    else {
         return;
     };
-    let upstream = RecordingUpstream::builder()
-        .hold()
-        .entity_json("/customer")
-        .start()
-        .await;
-    let dir = TestDir::new();
-    let ps = replicas(2, &dir, &config(&upstream, &pg.url, "30s")).await;
     let mut tasks = Vec::new();
     for i in 0..10 {
         let url = ps[i % 2].url("/api/charges");
@@ -177,16 +202,15 @@ async fn writes_to_one_entity_never_overlap_across_replicas() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_replica_killed_mid_request_is_never_forwarded_again_and_frees_the_entity() {
-    let Some(pg) = PgServer::start().await else {
+    let Some(Cluster {
+        pg: _pg,
+        upstream,
+        _dir,
+        mut ps,
+    }) = cluster(2, "1s", RecordingUpstream::builder().hold()).await
+    else {
         return;
     };
-    let upstream = RecordingUpstream::builder()
-        .hold()
-        .entity_json("/customer")
-        .start()
-        .await;
-    let dir = TestDir::new();
-    let mut ps = replicas(2, &dir, &config(&upstream, &pg.url, "1s")).await;
     let url_a = ps[0].url("/api/charges");
     let doomed = tokio::spawn(async move {
         try_request(
@@ -236,16 +260,19 @@ async fn a_replica_killed_mid_request_is_never_forwarded_again_and_frees_the_ent
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_stopped_fails_closed_then_recovers_without_a_restart() {
-    let Some(pg) = PgServer::start().await else {
+    let Some(Cluster {
+        pg,
+        upstream,
+        _dir,
+        ps,
+    }) = cluster(1, "30s", RecordingUpstream::builder()).await
+    else {
         return;
     };
     if !pg.owned() {
         eprintln!("skipping the stop/start test: IDEMPROXY_TEST_PG_URL is not ours to stop");
         return;
     }
-    let upstream = RecordingUpstream::start().await;
-    let dir = TestDir::new();
-    let ps = replicas(1, &dir, &config(&upstream, &pg.url, "30s")).await;
     let p = &ps[0];
     post_json(
         &p.url("/api/charges"),
@@ -364,12 +391,15 @@ async fn a_contended_store_never_lets_writes_to_one_entity_overlap() {
 /// caches at once (NOTIFY), so the next retry anywhere is forwarded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_release_on_one_replica_reaches_every_replay_cache() {
-    let Some(pg) = PgServer::start().await else {
+    let Some(Cluster {
+        pg: _pg,
+        upstream,
+        _dir,
+        ps,
+    }) = cluster(2, "30s", RecordingUpstream::builder()).await
+    else {
         return;
     };
-    let upstream = RecordingUpstream::start().await;
-    let dir = TestDir::new();
-    let ps = replicas(2, &dir, &config(&upstream, &pg.url, "30s")).await;
     let body = json!({"customer": "cus_r"});
     post_json(&ps[0].url("/api/charges"), Some("rel-1"), &body, &[])
         .await
@@ -418,16 +448,15 @@ async fn a_release_on_one_replica_reaches_every_replay_cache() {
 /// upstream works, so another replica's write to the entity waits instead of overlapping.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn leases_are_renewed_while_a_long_call_runs() {
-    let Some(pg) = PgServer::start().await else {
+    let Some(Cluster {
+        pg: _pg,
+        upstream,
+        _dir,
+        ps,
+    }) = cluster(2, "600ms", RecordingUpstream::builder().hold()).await
+    else {
         return;
     };
-    let upstream = RecordingUpstream::builder()
-        .hold()
-        .entity_json("/customer")
-        .start()
-        .await;
-    let dir = TestDir::new();
-    let ps = replicas(2, &dir, &config(&upstream, &pg.url, "600ms")).await;
     let (a, b) = (ps[0].url("/api/charges"), ps[1].url("/api/charges"));
     let first = tokio::spawn(async move {
         post_json(&a, Some("long-1"), &json!({"customer": "cus_long"}), &[]).await
