@@ -130,6 +130,43 @@ impl Trace {
     }
 }
 
+/// A request's trace until its outcome is known; a request dropped before that (the client
+/// hung up while it waited) still gets its audit row, as `client_closed`.
+pub struct PendingTrace {
+    trace: Option<Trace>,
+    auditor: Auditor,
+}
+
+impl PendingTrace {
+    pub fn new(trace: Trace, auditor: &Auditor) -> PendingTrace {
+        PendingTrace {
+            trace: Some(trace),
+            auditor: auditor.clone(),
+        }
+    }
+}
+
+impl std::ops::Deref for PendingTrace {
+    type Target = Option<Trace>;
+    fn deref(&self) -> &Option<Trace> {
+        &self.trace
+    }
+}
+
+impl std::ops::DerefMut for PendingTrace {
+    fn deref_mut(&mut self) -> &mut Option<Trace> {
+        &mut self.trace
+    }
+}
+
+impl Drop for PendingTrace {
+    fn drop(&mut self) {
+        if let Some(t) = self.trace.take() {
+            t.record(&self.auditor, "client_closed");
+        }
+    }
+}
+
 /// Rows of each kind deleted per purge statement: small, so no purge holds the store long.
 const PURGE_BATCH: i64 = 500;
 

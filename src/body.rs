@@ -196,17 +196,25 @@ pub fn form_name_steps(name: &str) -> Vec<String> {
     out
 }
 
+/// Deepest `a[b][c]...` nesting accepted in a form field name.
+pub const MAX_FORM_DEPTH: usize = 32;
+
 fn parse_form(bytes: &[u8]) -> Result<Value, String> {
     if std::str::from_utf8(bytes).is_err() {
         return Err("the form body is not UTF-8".into());
     }
     let mut root = Value::Object(Map::new());
     for (name, value) in form_urlencoded::parse(bytes) {
-        insert_form(
-            &mut root,
-            &form_name_steps(&name),
-            Value::String(value.into_owned()),
-        );
+        let steps = form_name_steps(&name);
+        // The tree is built recursively: a bound on nesting keeps hostile names from
+        // exhausting the stack (Stripe's own forms nest a handful of levels).
+        if steps.len() > MAX_FORM_DEPTH {
+            return Err(format!(
+                "form field {:.40}... nests deeper than {MAX_FORM_DEPTH} levels",
+                name
+            ));
+        }
+        insert_form(&mut root, &steps, Value::String(value.into_owned()));
     }
     Ok(arrays_from_indices(root))
 }
@@ -300,6 +308,14 @@ mod tests {
         assert!(BodyPath::parse("a..b").is_err());
         assert!(BodyPath::parse("a[x]").is_err());
         assert_eq!(BodyPath::parse("l[0].y").unwrap().strings(&v), vec!["2"]);
+    }
+
+    #[test]
+    fn deep_form_names_are_refused_not_a_crash() {
+        let deep = format!("a{}=1", "[x]".repeat(20_000));
+        assert!(parse(BodyKind::Form, deep.as_bytes()).is_err());
+        let ok = format!("a{}=1", "[x]".repeat(MAX_FORM_DEPTH - 1));
+        assert!(parse(BodyKind::Form, ok.as_bytes()).is_ok());
     }
 
     #[test]

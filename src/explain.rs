@@ -66,7 +66,7 @@ pub fn explain(
         "upstream:    {} -> {}://{}{pq}",
         upstream.name, upstream.scheme, upstream.authority
     );
-    let (route, params) = match action {
+    let (route, params, canonical) = match action {
         Action::Passthrough => {
             let _ = writeln!(
                 w,
@@ -74,7 +74,7 @@ pub fn explain(
             );
             return Ok(out);
         }
-        Action::Protect(route, params) => (route, params),
+        Action::Protect(route, params, canonical) => (route, params, canonical),
     };
     let _ = writeln!(w, "route:       {}", route.summary());
     let plan = match prepare::plan_key(&route, &hm) {
@@ -94,7 +94,7 @@ pub fn explain(
     }
     let input = Input {
         method: &method,
-        path: rel,
+        path: &canonical,
         query: uri.query(),
         headers: &hm,
         body: &body,

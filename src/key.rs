@@ -107,7 +107,8 @@ pub fn fingerprint(intent: &Intent<'_>, rule: &FingerprintRule) -> String {
     field(b"method", method.as_bytes());
     field(b"path", path.as_bytes());
     let mut q: Vec<&(String, String)> = query.iter().collect();
-    q.sort();
+    // By name only, stable: repeated names keep their order (`a=1&a=2` is not `a=2&a=1`).
+    q.sort_by(|a, b| a.0.cmp(&b.0));
     for (k, v) in q {
         field(b"qk", k.as_bytes());
         field(b"qv", v.as_bytes());
@@ -128,7 +129,7 @@ pub fn fingerprint(intent: &Intent<'_>, rule: &FingerprintRule) -> String {
                 .filter(|(name, _)| !rule.ignore.iter().any(|p| form_field_matches(p, name)))
                 .map(|(k, v)| (k.into_owned(), v.into_owned()))
                 .collect();
-            pairs.sort();
+            pairs.sort_by(|a, b| a.0.cmp(&b.0));
             for (k, v) in pairs {
                 field(b"fk", k.as_bytes());
                 field(b"fv", v.as_bytes());
@@ -262,6 +263,30 @@ mod tests {
         assert_ne!(
             fp(b"{}", BodyKind::Raw, &[]),
             fp(b"{ }", BodyKind::Raw, &[])
+        );
+    }
+
+    #[test]
+    fn different_requests_never_share_a_fingerprint() {
+        // Repeated names keep their order; only names are sorted.
+        let a = fp(
+            b"items[][price]=x&items[][qty]=1&items[][price]=y&items[][qty]=2",
+            BodyKind::Form,
+            &[],
+        );
+        let b = fp(
+            b"items[][price]=x&items[][qty]=2&items[][price]=y&items[][qty]=1",
+            BodyKind::Form,
+            &[],
+        );
+        assert_ne!(a, b);
+        // Numbers are compared by their text, not through f64.
+        let big1 = fp(br#"{"amount":100000000000000000001}"#, BodyKind::Json, &[]);
+        let big2 = fp(br#"{"amount":100000000000000000002}"#, BodyKind::Json, &[]);
+        assert_ne!(big1, big2);
+        assert_ne!(
+            fp(br#"{"x":0.1000000000000000001}"#, BodyKind::Json, &[]),
+            fp(br#"{"x":0.1}"#, BodyKind::Json, &[])
         );
     }
 

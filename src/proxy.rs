@@ -107,8 +107,8 @@ async fn dispatch(
     };
     match action {
         Action::Passthrough => passthrough(state, &target, req).await,
-        Action::Protect(route, params) => {
-            crate::pipeline::run(state, &route, params, &target, req).await
+        Action::Protect(route, params, canonical) => {
+            crate::pipeline::run(state, &route, params, &canonical, &target, req).await
         }
     }
 }
@@ -117,8 +117,9 @@ async fn dispatch(
 pub enum Action {
     /// Stream it through, unlocked and unrecorded.
     Passthrough,
-    /// Run the pipeline under this route, with these path captures.
-    Protect(Arc<Route>, Vec<(String, String)>),
+    /// Run the pipeline under this route, with these path captures and the canonical
+    /// upstream path (see [`crate::route::canonical`]) the route matched.
+    Protect(Arc<Route>, Vec<(String, String)>, String),
 }
 
 /// Routing, pure: upstream, upstream-relative path and action for a method and path. Shared
@@ -142,17 +143,20 @@ pub fn resolve<'p>(
     if method.is_safe() {
         return Ok((upstream, rel, Action::Passthrough));
     }
+    let canonical = crate::route::canonical(rel);
     let matched = upstream.routes.iter().find_map(|r| {
         r.methods
             .contains(method)
-            .then(|| r.path.matches(rel))
+            .then(|| r.path.matches(&canonical))
             .flatten()
             .map(|p| (r, p))
     });
     let action = match matched {
-        Some((route, params)) => Action::Protect(route.clone(), params),
+        Some((route, params)) => Action::Protect(route.clone(), params, canonical),
         None => match upstream.unmatched {
-            Unmatched::Protect => Action::Protect(upstream.unmatched_route.clone(), Vec::new()),
+            Unmatched::Protect => {
+                Action::Protect(upstream.unmatched_route.clone(), Vec::new(), canonical)
+            }
             Unmatched::Passthrough => Action::Passthrough,
             Unmatched::Reject => {
                 return Err(ProxyError::new(

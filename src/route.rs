@@ -99,6 +99,49 @@ fn decode(s: &str) -> String {
     percent_decode_str(s).decode_utf8_lossy().into_owned()
 }
 
+/// The path routes are matched (and fingerprinted) against: empty segments dropped,
+/// percent-encoded unreserved characters decoded, no trailing slash — so `/a//b/`, `/a/%62`
+/// and `/a/b` meet the same route, lock and rules. The path forwarded is left as sent.
+pub fn canonical(path: &str) -> String {
+    let mut out = String::with_capacity(path.len());
+    for seg in path.split('/').filter(|s| !s.is_empty()) {
+        out.push('/');
+        let bytes = seg.as_bytes();
+        let mut i = 0;
+        while i < bytes.len() {
+            // Two ASCII hex digits after '%' (checked as bytes first: slicing `seg` there is
+            // then on char boundaries).
+            let escaped = (bytes[i] == b'%'
+                && i + 2 < bytes.len()
+                && bytes[i + 1].is_ascii_hexdigit()
+                && bytes[i + 2].is_ascii_hexdigit())
+            .then(|| u8::from_str_radix(&seg[i + 1..i + 3], 16).ok())
+            .flatten();
+            match escaped {
+                Some(b) if b.is_ascii_alphanumeric() || b"-._~".contains(&b) => {
+                    out.push(b as char);
+                    i += 3;
+                }
+                Some(_) => {
+                    out.push('%');
+                    out.push_str(&seg[i + 1..i + 3].to_ascii_uppercase());
+                    i += 3;
+                }
+                None => {
+                    // A char boundary: multi-byte characters are copied whole.
+                    let ch = seg[i..].chars().next().unwrap_or('\u{fffd}');
+                    out.push(ch);
+                    i += ch.len_utf8();
+                }
+            }
+        }
+    }
+    if out.is_empty() {
+        out.push('/');
+    }
+    out
+}
+
 /// Rejects paths an upstream could resolve to somewhere else: `.`/`..` segments (plain or
 /// percent-encoded), encoded `/` or `\`, backslashes and NUL. Returns the reason.
 pub fn check_path(path: &str) -> Result<(), &'static str> {
@@ -113,7 +156,10 @@ pub fn check_path(path: &str) -> Result<(), &'static str> {
             continue;
         }
         let decoded = percent_decode_str(seg).collect::<Vec<u8>>();
-        if decoded == b".." || decoded == b"." {
+        // Some servers (Tomcat, Jetty, Spring) read `..;x` as `..`: the parameter part does
+        // not save a dot segment.
+        let before_params = decoded.split(|&b| b == b';').next().unwrap_or_default();
+        if before_params == b".." || before_params == b"." {
             return Err("dot segments ('..', '%2e%2e') are not allowed");
         }
         if decoded.iter().any(|&b| b == b'/' || b == b'\\' || b == 0) {
@@ -150,6 +196,18 @@ mod tests {
     }
 
     #[test]
+    fn canonical_paths() {
+        assert_eq!(canonical("/crm//contacts/123/"), "/crm/contacts/123");
+        assert_eq!(canonical("/crm/%63ontacts/%2a"), "/crm/contacts/%2A");
+        assert_eq!(canonical("/"), "/");
+        assert_eq!(canonical("//"), "/");
+        assert_eq!(canonical("/a/%"), "/a/%");
+        assert_eq!(canonical("/a/%4"), "/a/%4");
+        assert_eq!(canonical("/é/x"), "/é/x");
+        assert_eq!(canonical("/a/%é%"), "/a/%é%");
+    }
+
+    #[test]
     fn unsafe_paths() {
         for bad in [
             "/a/../b",
@@ -159,6 +217,8 @@ mod tests {
             "/a%2fb",
             "/a%2Fb",
             "/a%5cb",
+            "/up/..;/admin",
+            "/up/.;x/a",
             "/a\\b",
             "/./a",
         ] {

@@ -29,6 +29,13 @@ path = "/charges"
 entity = "customer:{{body.customer}}"
 
 [[routes]]
+name = "multi"
+upstream = "api"
+methods = ["POST"]
+path = "/multi"
+entity = "customer:{{body.customers[*]}}"
+
+[[routes]]
 name = "webhook"
 upstream = "api"
 methods = ["POST"]
@@ -478,4 +485,60 @@ async fn leases_are_renewed_while_a_long_call_runs() {
     second.await.unwrap().assert_status(200);
     assert_eq!(upstream.count(), 2);
     assert_eq!(upstream.max_concurrent("cus_long"), 1);
+}
+
+/// A write to several entities holds the first while it waits for the next: those leases are
+/// renewed during the wait, so no other replica takes them meanwhile (and the write is never
+/// sent on a lease it lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn leases_held_while_waiting_for_more_entities_are_renewed() {
+    let customers = |r: &Recorded| -> Vec<String> {
+        let v = r.json();
+        match v.get("customers").and_then(|c| c.as_array()) {
+            Some(list) => list
+                .iter()
+                .filter_map(|c| c.as_str().map(str::to_owned))
+                .collect(),
+            None => v
+                .get("customer")
+                .and_then(|c| c.as_str())
+                .map(str::to_owned)
+                .into_iter()
+                .collect(),
+        }
+    };
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let upstream = RecordingUpstream::builder()
+        .hold()
+        .entities(customers)
+        .start()
+        .await;
+    let dir = TestDir::new();
+    let ps = replicas(2, &dir, &config(&upstream, &pg.url, "600ms")).await;
+    let post = |p: &ProxyProcess, path: &str, key: &str, body: serde_json::Value| {
+        let (url, key) = (p.url(path), key.to_owned());
+        tokio::spawn(async move { post_json(&url, Some(&key), &body, &[]).await })
+    };
+    let a1 = post(&ps[0], "/api/charges", "a1", json!({"customer": "2"}));
+    upstream.wait_for_held(1).await;
+    let b = post(&ps[1], "/api/multi", "b", json!({"customers": ["1", "2"]}));
+    wait_for_waiting(&ps, 1).await;
+    // Well past the lease: only renewal keeps customer 1 with the waiting multi-write.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let a2 = post(&ps[0], "/api/charges", "a2", json!({"customer": "1"}));
+    wait_for_waiting(&ps, 2).await;
+    assert_eq!(
+        upstream.count(),
+        1,
+        "customer 1 stayed with the multi-write while it waited"
+    );
+    upstream.release_all();
+    for t in [a1, b, a2] {
+        t.await.unwrap().assert_status(200);
+    }
+    assert_eq!(upstream.count(), 3);
+    assert_eq!(upstream.max_concurrent("1"), 1);
+    assert_eq!(upstream.max_concurrent("2"), 1);
 }

@@ -403,7 +403,8 @@ async fn malformed_input_gets_errors_not_panics() {
         (JSON, b"\xff\xfe{}", "body_invalid"),
         (JSON, nested.as_bytes(), "body_invalid"),
         (JSON, br#"{"amount":1}"#, "entity_missing"),
-        (CT, br#"{"customer":7e999}"#, "body_invalid"),
+        // A leading zero is not JSON (huge numbers like 7e999 are: they are kept as text).
+        (CT, br#"{"customer":07}"#, "body_invalid"),
         (&long_key, b"{}", "key_invalid"),
         (&format!("{KEY}: ab\tcd\r\n"), b"{}", "key_invalid"),
         (&format!("{KEY}: a b\r\n"), b"{}", "key_invalid"),

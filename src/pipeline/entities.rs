@@ -6,10 +6,12 @@ use crate::error::ProxyResult;
 use crate::locks::LockGuard;
 use crate::prepare::Prepared;
 use crate::proxy::AppState;
-use crate::store::{EntityLease, Store};
+use crate::store::{EntityLease, Store, StoreResult};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
 
 /// Step 3: local entity locks, then the store's cross-replica leases, all by `deadline`.
 pub(super) async fn lock_entities(
@@ -36,7 +38,9 @@ pub(super) async fn lock_entities(
     let (lease, timeout) = (state.config.store.lease, left());
     tokio::spawn(async move {
         let taken = store.lock_entities(&entities, &owner, lease, timeout).await;
-        let _ = tx.send(taken.map(|held| held.map(|held| StoreLeases { store, owner, held })));
+        let leases =
+            taken.map(|held| held.map(|held| StoreLeases::held(store, owner, held, lease)));
+        let _ = tx.send(leases);
     });
     let leases = rx
         .await
@@ -46,11 +50,15 @@ pub(super) async fn lock_entities(
     Ok((guards, leases))
 }
 
-/// Entity leases held in the store; released on every path, by `release` or on drop.
+/// Entity leases held in the store: renewed every third of the lease for as long as they are
+/// held — through the checks, the reservation and the upstream call, however long each takes
+/// — and released on every path, by `release` or on drop.
 pub(super) struct StoreLeases {
     store: Arc<dyn Store>,
     owner: String,
     pub(super) held: Vec<EntityLease>,
+    /// Stops the renewal task.
+    renewing: Option<CancellationToken>,
 }
 
 impl StoreLeases {
@@ -59,10 +67,65 @@ impl StoreLeases {
             store: state.store.clone(),
             owner: state.owner.clone(),
             held: Vec::new(),
+            renewing: None,
         }
     }
 
+    fn held(
+        store: Arc<dyn Store>,
+        owner: String,
+        held: Vec<EntityLease>,
+        lease: Duration,
+    ) -> StoreLeases {
+        let stop = CancellationToken::new();
+        if !held.is_empty() {
+            let (store, owner, held, stop) =
+                (store.clone(), owner.clone(), held.clone(), stop.clone());
+            let every = (lease / 3).max(Duration::from_millis(50));
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(every) => {}
+                    }
+                    match store.renew_entities(&held, &owner, lease).await {
+                        Ok(lost) if lost.is_empty() => {}
+                        Ok(lost) => {
+                            tracing::error!(?lost, "entity leases were taken over while held");
+                            return;
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "entity lease renewal failed; retrying")
+                        }
+                    }
+                }
+            });
+        }
+        StoreLeases {
+            store,
+            owner,
+            held,
+            renewing: Some(stop),
+        }
+    }
+
+    /// Renews every lease now; `false` if any is no longer ours. Called right before the
+    /// reservation, so a lease lost while waiting never lets a write through.
+    pub(super) async fn still_held(&self, lease: Duration) -> StoreResult<bool> {
+        if self.held.is_empty() {
+            return Ok(true);
+        }
+        Ok(self
+            .store
+            .renew_entities(&self.held, &self.owner, lease)
+            .await?
+            .is_empty())
+    }
+
     pub(super) async fn release(mut self) {
+        if let Some(stop) = self.renewing.take() {
+            stop.cancel();
+        }
         let held = std::mem::take(&mut self.held);
         if !held.is_empty() {
             if let Err(e) = self.store.unlock_entities(&held, &self.owner).await {
@@ -74,6 +137,9 @@ impl StoreLeases {
 
 impl Drop for StoreLeases {
     fn drop(&mut self) {
+        if let Some(stop) = self.renewing.take() {
+            stop.cancel();
+        }
         let held = std::mem::take(&mut self.held);
         if held.is_empty() {
             return;

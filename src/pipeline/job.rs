@@ -53,6 +53,22 @@ pub(super) enum JobEnd {
 impl Job {
     /// Step 5 (reserve durably; nothing is forwarded before this commit), then 6–7.
     pub(super) async fn run(mut self, reservation: Reservation, req: Request<ProxyBody>) -> JobEnd {
+        // The entity leases must still be ours, and for a full lease from now, before anything
+        // is reserved or sent: checks or waits may have taken long.
+        match self.leases.still_held(self.state.config.store.lease).await {
+            Ok(true) => {}
+            outcome => {
+                let err = match outcome {
+                    Err(e) => store_error(&self.state, e),
+                    _ => super::entity_busy(&self.route),
+                };
+                self.leases.release().await;
+                if let Some(t) = self.trace.take() {
+                    t.record(&self.state.auditor, err.kind.as_str());
+                }
+                return JobEnd::Done(Err(err));
+            }
+        }
         match self.state.store.reserve(reservation).await {
             Ok(Reserved::Owned { epoch }) => self.epoch = epoch,
             Ok(Reserved::Existing(record)) => {
@@ -195,8 +211,8 @@ impl Job {
         }
     }
 
-    /// Extends the key's and the entities' leases; failures are logged (the call goes on: it
-    /// cannot be taken back), and a lost lease is reported loudly.
+    /// Extends the key's lease (the entity leases renew themselves, see `StoreLeases`);
+    /// failures are logged (the call goes on: it cannot be taken back).
     async fn renew(&self, lease: Duration) {
         let store = &self.state.store;
         match store.renew(&self.id, self.epoch, lease).await {
@@ -207,19 +223,6 @@ impl Job {
             Err(e) => {
                 self.state.stats.on_store_error();
                 tracing::warn!(key = %self.key, error = %e, "lease renewal failed");
-            }
-        }
-        match store
-            .renew_entities(&self.leases.held, &self.state.owner, lease)
-            .await
-        {
-            Ok(lost) if lost.is_empty() => {}
-            Ok(lost) => {
-                tracing::error!(key = %self.key, ?lost, "lost entity leases while the upstream call runs")
-            }
-            Err(e) => {
-                self.state.stats.on_store_error();
-                tracing::warn!(key = %self.key, error = %e, "entity lease renewal failed");
             }
         }
     }

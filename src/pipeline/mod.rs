@@ -9,7 +9,7 @@ mod job;
 use entities::lock_entities;
 use job::{Job, JobEnd};
 
-use crate::audit::Trace;
+use crate::audit::{PendingTrace, Trace};
 use crate::checks;
 use crate::config::{InFlight, Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
@@ -42,6 +42,7 @@ pub async fn run(
     state: &Arc<AppState>,
     route: &Arc<Route>,
     params: Vec<(String, String)>,
+    canonical: &str,
     target: &Target<'_>,
     req: Request<Incoming>,
 ) -> ProxyResult<Response<ProxyBody>> {
@@ -53,9 +54,13 @@ pub async fn run(
     state.stats.on_protected();
     let retention = route.retention.unwrap_or(state.config.store.retention);
     // The trace becomes the request's audit row: here, or in the forward job if it gets there.
-    let mut trace = Some(Trace::new(&upstream.name, &route.name, retention));
+    let trace = Trace::new(&upstream.name, &route.name, retention);
+    let mut trace = PendingTrace::new(trace, &state.auditor);
     let result = match plan {
-        Ok(plan) => traced(state, route, params, target, req, plan, &mut trace).await,
+        Ok(plan) => {
+            let matched = (params, canonical);
+            traced(state, route, matched, target, req, plan, &mut trace).await
+        }
         Err(e) => Err(e),
     };
     if let Some(t) = trace.take() {
@@ -72,7 +77,7 @@ pub async fn run(
 async fn traced(
     state: &Arc<AppState>,
     route: &Arc<Route>,
-    params: Vec<(String, String)>,
+    (params, canonical): (Vec<(String, String)>, &str),
     target: &Target<'_>,
     req: Request<Incoming>,
     plan: KeyPlan,
@@ -84,7 +89,7 @@ async fn traced(
     let body = read_body(body, &parts.headers, state.config.server.max_body).await?;
     let input = Input {
         method: &parts.method,
-        path: target.path,
+        path: canonical,
         query: target.query,
         headers: &parts.headers,
         body: &body,
@@ -430,7 +435,7 @@ fn in_progress() -> ProxyError {
     .retry_after(Duration::from_secs(1))
 }
 
-fn entity_busy(route: &Route) -> ProxyError {
+pub(super) fn entity_busy(route: &Route) -> ProxyError {
     ProxyError::new(
         ErrorKind::EntityBusy,
         format!(

@@ -270,11 +270,27 @@ impl Store for PgStore {
                             let _ = self.unlock_entities(&held, owner).await;
                             return Ok(None);
                         }
-                        // Woken by the holder's release, or when its lease would run out.
+                        // Woken by the holder's release, or when its lease would run out — and
+                        // never later than a third of our own lease, so the leases already
+                        // taken are renewed while we wait for the next one.
+                        let renew_at = Instant::now() + (lease / 3).max(Duration::from_millis(50));
                         let wake = (Instant::now() + left + Duration::from_millis(1)).min(deadline);
                         tokio::select! {
                             _ = woken.changed() => {}
-                            _ = tokio::time::sleep_until(wake) => {}
+                            _ = tokio::time::sleep_until(wake.min(renew_at)) => {}
+                        }
+                        if !held.is_empty() && Instant::now() >= renew_at {
+                            match self.renew_entities(&held, owner, lease).await {
+                                Ok(lost) if lost.is_empty() => {}
+                                Ok(_) => {
+                                    let _ = self.unlock_entities(&held, owner).await;
+                                    return Ok(None);
+                                }
+                                Err(e) => {
+                                    let _ = self.unlock_entities(&held, owner).await;
+                                    return Err(e);
+                                }
+                            }
                         }
                     }
                 }
