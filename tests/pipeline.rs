@@ -571,3 +571,67 @@ async fn unmatched_passthrough_forwards_every_time() {
     }
     assert_eq!(upstream.count_method("POST"), 2);
 }
+
+#[tokio::test]
+async fn spelling_variants_of_a_path_meet_the_same_route() {
+    let upstream = RecordingUpstream::start().await;
+    let routes = route(
+        "contact",
+        "/contacts/{id}",
+        "entity = \"contact:{path.id}\"\nkey = { header = \"\", derive = \"{entity}:{fingerprint}\" }",
+    );
+    let proxy = start(&upstream, "", &routes).await;
+    let first = post(&proxy.url("/api/contacts/123"), "ignored", &json!({"x": 1})).await;
+    first.assert_status(200);
+    // A doubled slash, a trailing slash and an escaped letter: the same route, entity and key,
+    // so the retry replays instead of slipping past the route as an unmatched request.
+    for variant in [
+        "/api/contacts//123",
+        "/api/contacts/123/",
+        "/api/%63ontacts/123",
+    ] {
+        let again = post(&proxy.url(variant), "ignored", &json!({"x": 1})).await;
+        assert_eq!(again.replayed(), Some(true), "{variant}");
+        assert_eq!(
+            again.idempotency_key(),
+            first.idempotency_key(),
+            "{variant}"
+        );
+    }
+    assert_eq!(upstream.count(), 1);
+    assert!(first
+        .idempotency_key()
+        .is_some_and(|k| k.starts_with("contact:123:")));
+}
+
+#[tokio::test]
+async fn a_deeply_nested_form_is_refused_and_the_proxy_lives_on() {
+    let upstream = RecordingUpstream::start().await;
+    let routes = route("forms", "/forms", "entity = \"thing:{body.id}\"");
+    let proxy = start(&upstream, "", &routes).await;
+    let deep = format!("id=1&a{}=1", "[x]".repeat(20_000));
+    let resp = request(
+        "POST",
+        &proxy.url("/api/forms"),
+        &[
+            ("content-type", "application/x-www-form-urlencoded"),
+            ("idempotency-key", "deep"),
+        ],
+        deep,
+    )
+    .await;
+    assert_error(&resp, 400, "body_invalid");
+    // Also on the unmatched route, where nothing reads the body: fingerprinted as raw bytes.
+    let deep = format!("a{}=1", "[x]".repeat(20_000));
+    let form = [
+        ("content-type", "application/x-www-form-urlencoded"),
+        ("idempotency-key", "deep2"),
+    ];
+    request("POST", &proxy.url("/api/other"), &form, deep)
+        .await
+        .assert_status(200);
+    assert_eq!(upstream.count(), 1);
+    post(&proxy.url("/api/forms"), "after", &json!({"id": "2"}))
+        .await
+        .assert_status(200);
+}
