@@ -261,7 +261,7 @@ async fn release_through_admin(config: &Config, key: &str) -> anyhow::Result<Opt
 async fn migrate(config: Config) -> anyhow::Result<()> {
     let store = crate::store::open(&config.store.url, config.store.lease, false).await?;
     store.close().await;
-    println!("migrations applied to {}", config.store.url);
+    println!("migrations applied to {}", config.store.display_url());
     Ok(())
 }
 

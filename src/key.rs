@@ -68,8 +68,21 @@ pub fn normalize_derived(key: String) -> String {
     if validate(&key).is_ok() {
         key
     } else {
-        format!("sha256:{}", hex::encode(Sha256::digest(key.as_bytes())))
+        hashed(&key)
     }
+}
+
+/// `s`, or its hash when it is longer than `max` bytes.
+pub fn bounded(s: String, max: usize) -> String {
+    if s.len() <= max {
+        s
+    } else {
+        hashed(&s)
+    }
+}
+
+fn hashed(s: &str) -> String {
+    format!("sha256:{}", hex::encode(Sha256::digest(s.as_bytes())))
 }
 
 /// What a fingerprint is computed over.

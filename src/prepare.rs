@@ -10,6 +10,11 @@ use crate::template::RequestView;
 use bytes::Bytes;
 use http::{HeaderMap, Method};
 
+/// Most entities one request may lock.
+pub const MAX_ENTITIES: usize = 100;
+/// Longest entity name kept as is; longer ones are hashed.
+pub const MAX_ENTITY_LEN: usize = 200;
+
 /// Where the key came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeySource {
@@ -126,14 +131,26 @@ pub fn prepare(
     let entities = match &route.entity {
         None => Vec::new(),
         Some(t) => {
-            let mut e = t.eval(&view).map_err(|field| {
+            let e = t.eval(&view).map_err(|field| {
                 ProxyError::new(
                     ErrorKind::EntityMissing,
                     format!("the entity needs {{{field}}}, which the request lacks"),
                 )
             })?;
+            // Long names (an id field someone filled with a document) become their hash, so
+            // every store can index them; the count is bounded, as every entity is a lock.
+            let mut e: Vec<String> = e
+                .into_iter()
+                .map(|name| key::bounded(name, MAX_ENTITY_LEN))
+                .collect();
             e.sort();
             e.dedup();
+            if e.len() > MAX_ENTITIES {
+                return Err(ProxyError::new(
+                    ErrorKind::BodyInvalid,
+                    format!("the request names {} entities; at most {MAX_ENTITIES} are locked for one write", e.len()),
+                ));
+            }
             e
         }
     };

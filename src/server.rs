@@ -11,7 +11,7 @@ use crate::upstream::{ProxyBody, UpstreamClient};
 use anyhow::Context;
 use http::{Request, Response};
 use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use std::collections::{BTreeMap, HashMap};
@@ -30,6 +30,9 @@ use tokio_util::task::TaskTracker;
 
 /// Most connections served at once per listener; more wait in the kernel's backlog.
 const MAX_CONNECTIONS: usize = 8192;
+/// How long a client may take to send a request head (and how long a connection may idle).
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Handler = Arc<
     dyn Fn(Request<Incoming>) -> Pin<Box<dyn Future<Output = Response<ProxyBody>> + Send>>
@@ -57,7 +60,7 @@ impl Server {
         let config = Arc::new(config);
         let store = crate::store::open(&config.store.url, config.store.lease, true)
             .await
-            .with_context(|| format!("cannot open the store {}", config.store.url))?;
+            .with_context(|| format!("cannot open the store {}", config.store.display_url()))?;
         let roots = crate::upstream::default_roots();
         let mut clients = HashMap::new();
         for u in &config.upstreams {
@@ -209,7 +212,14 @@ fn serve(
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
         let graceful = GracefulShutdown::new();
-        let builder = auto::Builder::new(TokioExecutor::new());
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        // A client that opens a connection and never finishes its request head must not hold
+        // a connection slot forever (also bounds idle keep-alive connections).
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(HEADER_READ_TIMEOUT);
+        builder.http2().timer(TokioTimer::new());
         let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
         loop {
             let permit = tokio::select! {
@@ -251,8 +261,11 @@ fn serve(
                     let (acceptor, builder, watcher) =
                         (acceptor.clone(), builder.clone(), graceful.watcher());
                     tokio::spawn(async move {
-                        match acceptor.accept(stream).await {
-                            Ok(tls) => {
+                        match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream))
+                            .await
+                        {
+                            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                            Ok(Ok(tls)) => {
                                 let conn = builder
                                     .serve_connection(TokioIo::new(tls), svc)
                                     .into_owned();
@@ -260,7 +273,9 @@ fn serve(
                                     tracing::debug!(%peer, error = %e, "connection ended with an error");
                                 }
                             }
-                            Err(e) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+                            Ok(Err(e)) => {
+                                tracing::debug!(%peer, error = %e, "TLS handshake failed")
+                            }
                         }
                         drop(permit);
                     });

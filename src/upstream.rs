@@ -67,8 +67,9 @@ impl UpstreamClient {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
-        // Connect failures are "never sent": bound them apart from the whole-call timeout.
-        http.set_connect_timeout(Some(upstream.timeout.min(Duration::from_secs(10))));
+        // Connect failures are "never sent": bound them well inside the whole-call timeout, so
+        // a host that does not answer is a 502 and a released key, not an unknown outcome.
+        http.set_connect_timeout(Some((upstream.timeout / 2).min(Duration::from_secs(10))));
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()

@@ -173,6 +173,17 @@ async fn suite(s: Arc<dyn Store>) {
     );
     let rec = s.get(&id("k4")).await.unwrap().unwrap();
     assert_eq!(rec.effective_state(store::now_ms() + 1), KeyState::Unknown);
+    let unknown = s
+        .list_keys(&KeyFilter {
+            state: Some(KeyState::Unknown),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert!(
+        unknown.iter().any(|r| r.id.key == "k4"),
+        "an abandoned in-flight key lists as unknown"
+    );
     assert_eq!(
         existing(
             s.reserve(reservation("k4", "fp", LONG, false))

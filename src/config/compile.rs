@@ -170,6 +170,9 @@ fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
     }
 }
 
+/// Shortest `store.lease` accepted.
+const MIN_LEASE: Duration = Duration::from_millis(500);
+
 fn store(cx: &mut Ctx, raw: &RawStore) -> StoreConfig {
     let url = match (cx.env)("IDEMPROXY_STORE_URL").filter(|s| !s.is_empty()) {
         Some(url) => url,
@@ -186,13 +189,22 @@ fn store(cx: &mut Ctx, raw: &RawStore) -> StoreConfig {
         let span = raw.url.as_ref().map(|u| u.span()).unwrap_or(0..0);
         cx.err(
             span,
-            format!("store.url {url:?}: use sqlite://FILE or postgres://..."),
+            format!(
+                "store.url {}: use sqlite://FILE or postgres://...",
+                redact_url(&url)
+            ),
         );
+    }
+    let lease = cx.dur(&raw.lease, Duration::from_secs(30));
+    if lease < MIN_LEASE {
+        // Leases are renewed every third of their length: a shorter one cannot be kept alive.
+        let span = raw.lease.as_ref().map(|l| l.span()).unwrap_or(0..0);
+        cx.err(span, format!("store.lease must be at least {MIN_LEASE:?}"));
     }
     StoreConfig {
         url,
         retention: cx.dur(&raw.retention, Duration::from_secs(86_400)),
-        lease: cx.dur(&raw.lease, Duration::from_secs(30)),
+        lease,
     }
 }
 

@@ -120,6 +120,18 @@ fn several_errors_are_all_reported() {
 }
 
 #[test]
+fn store_urls_are_redacted_and_leases_bounded() {
+    assert_eq!(
+        redact_url("postgres://app:S3cret@db:5432/x?sslmode=require"),
+        "postgres://app:***@db:5432/x?sslmode=require"
+    );
+    assert_eq!(redact_url("postgres://app@db/x"), "postgres://app@db/x");
+    assert_eq!(redact_url("sqlite://idemproxy.db"), "sqlite://idemproxy.db");
+    let e = first_error("[store]\nlease = \"100ms\"\n");
+    assert!(e.contains("at least"), "{e}");
+}
+
+#[test]
 fn key_defaults_follow_the_spec() {
     let cfg = compile_str(&with_route(
         "name = \"r\"\nupstream = \"api\"\npath = \"/x\"",

@@ -141,6 +141,27 @@ pub struct Route {
     pub needs_body: bool,
 }
 
+/// A store URL fit for logs and errors: the password, if any, is masked.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://") else {
+        return url.to_owned();
+    };
+    let rest = &url[scheme_end + 3..];
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    match authority
+        .rfind('@')
+        .and_then(|at| authority[..at].find(':').map(|colon| (colon, at)))
+    {
+        Some((colon, at)) => format!(
+            "{}{}:***{}",
+            &url[..scheme_end + 3],
+            &rest[..colon],
+            &rest[at..]
+        ),
+        None => url.to_owned(),
+    }
+}
+
 /// Every problem found in a config file, each as `file:line:col: message`.
 #[derive(Debug)]
 pub struct ConfigError {
@@ -154,6 +175,13 @@ impl std::fmt::Display for ConfigError {
 }
 
 impl std::error::Error for ConfigError {}
+
+impl StoreConfig {
+    /// The URL with its password masked, for logs and errors.
+    pub fn display_url(&self) -> String {
+        redact_url(&self.url)
+    }
+}
 
 impl Config {
     /// Loads and validates a file; `IDEMPROXY_STORE_URL` overrides `store.url`.

@@ -249,6 +249,11 @@ async fn protected(
                     Decision::WaitForeign(until) => {
                         wait_foreign(state, woken, until, deadline).await?
                     }
+                    // Our reading and the store disagree (another replica's clock, a race):
+                    // try again, but never past the deadline.
+                    Decision::Proceed { .. } if Instant::now() >= deadline => {
+                        return Err(in_progress())
+                    }
                     Decision::Proceed { .. } => {}
                 }
             }

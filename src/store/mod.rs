@@ -337,7 +337,8 @@ pub async fn open(
         Ok(std::sync::Arc::new(s))
     } else {
         Err(StoreError(format!(
-            "store {url:?}: use sqlite://FILE or postgres://..."
+            "store {}: use sqlite://FILE or postgres://...",
+            crate::config::redact_url(url)
         )))
     }
 }

@@ -370,7 +370,9 @@ impl Store for PgStore {
 
     async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
         let rows = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM idem_keys WHERE ($1::text IS NULL OR state = $1) \
+            "SELECT {COLUMNS} FROM idem_keys WHERE ($1::text IS NULL OR \
+               (CASE WHEN state = 'in_flight' AND lease_until <= {NOW} THEN 'unknown' \
+                     WHEN state = 'completed' AND expires_at < {NOW} THEN 'released' ELSE state END) = $1) \
              AND ($2::text IS NULL OR entities @> jsonb_build_array($2::text)) \
              ORDER BY updated_at DESC LIMIT $3"
         ))

@@ -25,6 +25,12 @@ use super::rows::{
     self, AUDIT_COLUMNS_SQLITE as AUDIT_COLUMNS, ENTITY_COLUMNS, KEY_COLUMNS_SQLITE as KEY_COLUMNS,
 };
 
+/// [`KeyRecord::effective_state`] in SQL (`?4` is now): what `keys list --state` filters on, so
+/// an abandoned in-flight key lists as `unknown`.
+const EFFECTIVE_STATE: &str =
+    "(CASE WHEN state = 'in_flight' AND lease_until <= ?4 THEN 'unknown' \
+     WHEN state = 'completed' AND expires_at < ?4 THEN 'released' ELSE state END)";
+
 pub struct SqliteStore {
     reads: SqlitePool,
     writer: Writer,
@@ -170,13 +176,14 @@ impl Store for SqliteStore {
 
     async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
         let rows = sqlx::query(&format!(
-            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE (?1 IS NULL OR state = ?1) \
+            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE (?1 IS NULL OR {EFFECTIVE_STATE} = ?1) \
              AND (?2 IS NULL OR EXISTS (SELECT 1 FROM json_each(idem_keys.entities) WHERE value = ?2)) \
              ORDER BY updated_at DESC LIMIT ?3"
         ))
         .bind(f.state.map(KeyState::as_str))
         .bind(f.entity.as_deref())
         .bind(if f.limit > 0 { f.limit } else { 100 })
+        .bind(now_ms())
         .fetch_all(&self.reads)
         .await?;
         rows.iter().map(rows::key_record).collect()
