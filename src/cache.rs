@@ -40,6 +40,9 @@ pub struct ReplayCache {
     // std Mutex: a map look-up or insert, never held across an await.
     shards: [Mutex<Shard>; SHARDS],
     hasher: std::collections::hash_map::RandomState,
+    /// Keys released lately, with when: a read that started before a release must not put
+    /// the released answer back (tombstones live as long as an entry would).
+    released: Mutex<HashMap<String, i64>>,
 }
 
 impl ReplayCache {
@@ -78,6 +81,16 @@ impl ReplayCache {
         response: Arc<StoredResponse>,
         expires_at: i64,
     ) {
+        {
+            let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
+            if !released.is_empty() {
+                let now = now_ms();
+                released.retain(|_, at| *at + FRESH_FOR_MS > now);
+                if released.contains_key(&id.key) {
+                    return;
+                }
+            }
+        }
         let bytes = response.body.len()
             + response
                 .headers
@@ -124,6 +137,10 @@ impl ReplayCache {
 
     /// Drops every entry of `key` (any upstream or scope): an operator released it.
     pub fn forget_key(&self, key: &str) {
+        self.released
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key.to_owned(), now_ms());
         for s in &self.shards {
             let mut shard = s.lock().unwrap_or_else(|p| p.into_inner());
             let ids: Vec<ScopedKey> = shard
@@ -180,6 +197,9 @@ mod tests {
         c.put(&id("old"), "fp", resp(), now_ms() - 1);
         assert!(c.get(&id("old")).is_none(), "past retention");
         c.forget_key("a");
+        assert!(c.get(&id("a")).is_none());
+        // A read that began before the release cannot put the answer back.
+        c.put(&id("a"), "fp", resp(), now_ms() + 60_000);
         assert!(c.get(&id("a")).is_none());
     }
 }
