@@ -56,7 +56,10 @@ impl SqliteStore {
             .connect_with(opts.clone())
             .await?;
         sqlx::migrate!("migrations/sqlite").run(&reads).await?;
-        let mut conn = SqliteConnection::connect_with(&opts).await?;
+        // The writer's multi-row statements come in many shapes (one per batch size): keep
+        // them all prepared.
+        let mut conn =
+            SqliteConnection::connect_with(&opts.clone().statement_cache_capacity(1024)).await?;
         if exclusive {
             // Whoever owned these is gone (we hold the process lock): outcome unknown.
             sqlx::query("UPDATE idem_keys SET state = 'unknown', owner = NULL, updated_at = ? WHERE state = 'in_flight'")

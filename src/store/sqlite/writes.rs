@@ -109,8 +109,9 @@ pub async fn probe(conn: &mut SqliteConnection, now: i64) -> StoreResult<()> {
 
 /// One multi-row insert for the whole batch (one statement, not one per row).
 pub async fn append_audit(conn: &mut SqliteConnection, rows: &[AuditRow]) -> StoreResult<()> {
-    // SQLite allows 32766 bound variables per statement; 12 per row.
-    for chunk in rows.chunks(2048) {
+    // Fixed-size chunks: a handful of statement shapes, each prepared once and cached,
+    // instead of a new statement (and a new prepare) for every batch size.
+    for chunk in rows.chunks(64) {
         let mut qb = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
             "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
              total_ms, lock_wait_ms, upstream_ms, expires_at) ",
