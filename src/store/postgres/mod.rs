@@ -35,6 +35,55 @@ pub struct PgStore {
     pool: PgPool,
     hub: Arc<Hub>,
     listener: tokio::task::JoinHandle<()>,
+    clock: Clock,
+    clock_task: tokio::task::JoinHandle<()>,
+}
+
+/// This replica's reading of the database clock: `offset` is database time minus local time
+/// (ms), measured at start and every minute. Leases are computed in SQL on the database
+/// clock; times the pipeline computes locally (retention, claim TTL) are moved onto it before
+/// they are stored, and times read back are moved onto the local clock before the pipeline
+/// compares them — so replicas with skewed clocks still agree.
+#[derive(Clone, Default)]
+struct Clock(Arc<std::sync::atomic::AtomicI64>);
+
+impl Clock {
+    async fn measure(&self, pool: &PgPool) -> StoreResult<()> {
+        let before = now_ms();
+        let db: i64 = sqlx::query_scalar(&format!("SELECT {NOW}"))
+            .fetch_one(pool)
+            .await?;
+        let local = before + (now_ms() - before) / 2;
+        self.0
+            .store(db - local, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn offset(&self) -> i64 {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn to_db(&self, local: i64) -> i64 {
+        local.saturating_add(self.offset())
+    }
+
+    fn to_local(&self, db: i64) -> i64 {
+        db.saturating_sub(self.offset())
+    }
+
+    fn record(&self, mut r: KeyRecord) -> KeyRecord {
+        r.lease_until = self.to_local(r.lease_until);
+        r.expires_at = r.expires_at.map(|t| self.to_local(t));
+        r.created_at = self.to_local(r.created_at);
+        r.updated_at = self.to_local(r.updated_at);
+        r
+    }
+
+    fn records(&self, rows: &[sqlx::postgres::PgRow]) -> StoreResult<Vec<KeyRecord>> {
+        rows.iter()
+            .map(|row| rows::key_record(row).map(|r| self.record(r)))
+            .collect()
+    }
 }
 
 impl PgStore {
@@ -52,10 +101,23 @@ impl PgStore {
         let mut listener = PgListener::connect_with(&pool).await?;
         listener.listen(CHANNEL).await?;
         let listener = tokio::spawn(listen(listener, hub.clone()));
+        let clock = Clock::default();
+        clock.measure(&pool).await?;
+        let clock_task = {
+            let (clock, pool) = (clock.clone(), pool.clone());
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                    let _ = clock.measure(&pool).await;
+                }
+            })
+        };
         Ok(PgStore {
             pool,
             hub,
             listener,
+            clock,
+            clock_task,
         })
     }
 }
@@ -143,7 +205,7 @@ impl Store for PgStore {
         .bind(&id.key)
         .fetch_optional(&self.pool)
         .await?;
-        row.as_ref().map(rows::key_record).transpose()
+        Ok(self.clock.records(row.as_slice())?.pop())
     }
 
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
@@ -200,7 +262,7 @@ impl Store for PgStore {
         .bind(c.status.map(i32::from))
         .bind(c.headers)
         .bind(c.body.as_deref())
-        .bind(c.expires_at)
+        .bind(c.expires_at.map(|t| self.clock.to_db(t)))
         .bind(&id.upstream)
         .bind(&id.scope)
         .bind(&id.key)
@@ -209,7 +271,9 @@ impl Store for PgStore {
         .await?;
         let owned = rows.len() == 1;
         if owned && !c.effects.is_empty() {
-            ordered::apply_effects(&mut tx, id, &c.effects).await?;
+            let mut effects = c.effects;
+            effects.claim_until = effects.claim_until.map(|t| self.clock.to_db(t));
+            ordered::apply_effects(&mut tx, id, &effects).await?;
         }
         tx.commit().await?;
         Ok(owned)
@@ -365,7 +429,7 @@ impl Store for PgStore {
         .bind(key)
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(rows::key_record).collect()
+        self.clock.records(&rows)
     }
 
     async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
@@ -381,11 +445,18 @@ impl Store for PgStore {
         .bind(if f.limit > 0 { f.limit } else { 100 })
         .fetch_all(&self.pool)
         .await?;
-        rows.iter().map(rows::key_record).collect()
+        self.clock.records(&rows)
     }
 
     async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
-        ordered::entity_states(&self.pool, entities).await
+        let mut states = ordered::entity_states(&self.pool, entities).await?;
+        for s in &mut states {
+            s.updated_at = self.clock.to_local(s.updated_at);
+            if let Some(c) = &mut s.claim {
+                c.until = self.clock.to_local(c.until);
+            }
+        }
+        Ok(states)
     }
 
     async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
@@ -411,7 +482,7 @@ impl Store for PgStore {
     }
 
     async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64> {
-        ordered::purge(&self.pool, batch, released_before).await
+        ordered::purge(&self.pool, batch, self.clock.to_db(released_before)).await
     }
 
     async fn ping(&self) -> StoreResult<()> {
@@ -421,6 +492,7 @@ impl Store for PgStore {
 
     async fn close(&self) {
         self.listener.abort();
+        self.clock_task.abort();
         self.pool.close().await;
     }
 }
