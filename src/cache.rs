@@ -81,14 +81,14 @@ impl ReplayCache {
         response: Arc<StoredResponse>,
         expires_at: i64,
     ) {
-        {
-            let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
-            if !released.is_empty() {
-                let now = now_ms();
-                released.retain(|_, at| *at + FRESH_FOR_MS > now);
-                if released.contains_key(&id.key) {
-                    return;
-                }
+        // Held until the entry is in: a release cannot slip between the check and the insert
+        // (lock order: `released`, then a shard).
+        let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        if !released.is_empty() {
+            let now = now_ms();
+            released.retain(|_, at| *at + FRESH_FOR_MS > now);
+            if released.contains_key(&id.key) {
+                return;
             }
         }
         let bytes = response.body.len()
@@ -126,6 +126,8 @@ impl ReplayCache {
                 shard.bytes -= gone.bytes;
             }
         }
+        drop(shard);
+        drop(released);
     }
 
     /// Drops everything (notifications of releases may have been missed).
@@ -137,10 +139,8 @@ impl ReplayCache {
 
     /// Drops every entry of `key` (any upstream or scope): an operator released it.
     pub fn forget_key(&self, key: &str) {
-        self.released
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key.to_owned(), now_ms());
+        let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
+        released.insert(key.to_owned(), now_ms());
         for s in &self.shards {
             let mut shard = s.lock().unwrap_or_else(|p| p.into_inner());
             let ids: Vec<ScopedKey> = shard

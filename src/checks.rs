@@ -157,7 +157,16 @@ fn same(seen: &Value, expected: &Value) -> bool {
         Value::String(s) => s.clone(),
         other => other.to_string(),
     };
-    seen == expected || text(seen) == text(expected)
+    // Numbers by value (`5.50` is `5.5`, `1e2` is `100`), as numbers are kept as written.
+    let number = |v: &Value| match v {
+        Value::Number(n) => n.as_f64(),
+        Value::String(s) => s.trim().parse::<f64>().ok(),
+        _ => None,
+    };
+    let numeric = matches!(seen, Value::Number(_)) || matches!(expected, Value::Number(_));
+    seen == expected
+        || text(seen) == text(expected)
+        || (numeric && number(seen).is_some_and(|a| number(expected) == Some(a)))
 }
 
 #[cfg(test)]
@@ -194,6 +203,10 @@ mod tests {
     fn values_compare_as_json_or_text() {
         assert!(same(&json!("free"), &json!("free")));
         assert!(same(&json!(5), &json!("5")));
+        let n = |t: &str| serde_json::from_str::<Value>(t).unwrap();
+        assert!(same(&n("5.50"), &n("5.5")));
+        assert!(same(&n("1e2"), &n("100")));
+        assert!(!same(&n("5.51"), &n("5.5")));
         assert!(!same(&json!("taken"), &json!("free")));
         let _ = state("x", None, Some(("k", now_ms() + 1000)));
     }

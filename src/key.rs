@@ -142,7 +142,10 @@ pub fn fingerprint(intent: &Intent<'_>, rule: &FingerprintRule) -> String {
                 .filter(|(name, _)| !rule.ignore.iter().any(|p| form_field_matches(p, name)))
                 .map(|(k, v)| (k.into_owned(), v.into_owned()))
                 .collect();
-            pairs.sort_by(|a, b| a.0.cmp(&b.0));
+            // Sorted by name, stably — except that fields appending to one `[]` list
+            // (`items[][price]`, `items[][qty]`) keep their order among each other: there the
+            // order says which values belong to which list element.
+            pairs.sort_by(|a, b| list_group(&a.0).cmp(list_group(&b.0)));
             for (k, v) in pairs {
                 field(b"fk", k.as_bytes());
                 field(b"fv", v.as_bytes());
@@ -156,6 +159,14 @@ pub fn fingerprint(intent: &Intent<'_>, rule: &FingerprintRule) -> String {
         }
     }
     hex::encode(h.finalize())
+}
+
+/// The part of a form name that orders it: up to its first `[]`, or the whole name.
+fn list_group(name: &str) -> &str {
+    match name.find("[]") {
+        Some(i) => &name[..i + 2],
+        None => name,
+    }
 }
 
 /// Whether form field `name` (`metadata[order_id]`, `items[0][id]`) is what `path` names.
@@ -293,6 +304,12 @@ mod tests {
             &[],
         );
         assert_ne!(a, b);
+        let f = |body: &[u8]| fp(body, BodyKind::Form, &[]);
+        let c = f(b"items[][price]=x&items[][price]=y&items[][qty]=1&items[][qty]=2");
+        assert_ne!(a, c, "the interleaving of one list's fields matters");
+        let d = f(b"currency=usd&items[][price]=x&items[][qty]=1&items[][price]=y&items[][qty]=2");
+        let e = f(b"items[][price]=x&items[][qty]=1&items[][price]=y&items[][qty]=2&currency=usd");
+        assert_eq!(d, e, "other fields still sort");
         // Numbers are compared by their text, not through f64.
         let big1 = fp(br#"{"amount":100000000000000000001}"#, BodyKind::Json, &[]);
         let big2 = fp(br#"{"amount":100000000000000000002}"#, BodyKind::Json, &[]);

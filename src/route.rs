@@ -100,11 +100,16 @@ fn decode(s: &str) -> String {
 }
 
 /// The path routes are matched (and fingerprinted) against: empty segments dropped,
-/// percent-encoded unreserved characters decoded, no trailing slash — so `/a//b/`, `/a/%62`
-/// and `/a/b` meet the same route, lock and rules. The path forwarded is left as sent.
+/// percent-encoded unreserved characters decoded, a stray `%` written `%25`, `;params` of a
+/// segment left out (servers such as Tomcat and Spring ignore them) and no trailing slash — so
+/// `/a//b/`, `/a/%62`, `/a/b;v=1` and `/a/b` meet the same route, lock and rules. The path
+/// forwarded is left as sent.
 pub fn canonical(path: &str) -> String {
     let mut out = String::with_capacity(path.len());
-    for seg in path.split('/').filter(|s| !s.is_empty()) {
+    let segments = path
+        .split('/')
+        .map(|s| s.split(';').next().unwrap_or_default());
+    for seg in segments.filter(|s| !s.is_empty()) {
         out.push('/');
         let bytes = seg.as_bytes();
         let mut i = 0;
@@ -126,6 +131,11 @@ pub fn canonical(path: &str) -> String {
                     out.push('%');
                     out.push_str(&seg[i + 1..i + 3].to_ascii_uppercase());
                     i += 3;
+                }
+                None if bytes[i] == b'%' => {
+                    // Not an escape: written as one, so no later decoding can complete it.
+                    out.push_str("%25");
+                    i += 1;
                 }
                 None => {
                     // A char boundary: multi-byte characters are copied whole.
@@ -201,10 +211,15 @@ mod tests {
         assert_eq!(canonical("/crm/%63ontacts/%2a"), "/crm/contacts/%2A");
         assert_eq!(canonical("/"), "/");
         assert_eq!(canonical("//"), "/");
-        assert_eq!(canonical("/a/%"), "/a/%");
-        assert_eq!(canonical("/a/%4"), "/a/%4");
+        assert_eq!(canonical("/a/%"), "/a/%25");
+        assert_eq!(canonical("/a/%4"), "/a/%254");
+        // A stray % never joins a decoded digit: both spellings of "%25" meet as one.
+        assert_eq!(canonical("/x/%2%35"), "/x/%2525");
+        assert_eq!(canonical("/x/%2525"), "/x/%2525");
+        assert_eq!(canonical("/v1/charges;x=1"), "/v1/charges");
+        assert_eq!(canonical("/a;p/b"), "/a/b");
         assert_eq!(canonical("/é/x"), "/é/x");
-        assert_eq!(canonical("/a/%é%"), "/a/%é%");
+        assert_eq!(canonical("/a/%é%"), "/a/%25é%25");
     }
 
     #[test]

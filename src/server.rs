@@ -19,6 +19,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
@@ -219,7 +220,12 @@ fn serve(
             .http1()
             .timer(TokioTimer::new())
             .header_read_timeout(HEADER_READ_TIMEOUT);
-        builder.http2().timer(TokioTimer::new());
+        // HTTP/2 clients are pinged when idle; one that does not answer is dropped.
+        builder
+            .http2()
+            .timer(TokioTimer::new())
+            .keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_timeout(Duration::from_secs(10));
         let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
         loop {
             let permit = tokio::select! {
@@ -238,7 +244,11 @@ fn serve(
             };
             let _ = stream.set_nodelay(true);
             let handler = handler.clone();
+            // Set by the first request: a connection that sends none in time is closed.
+            let spoke = Arc::new(AtomicBool::new(false));
+            let heard = spoke.clone();
             let svc = hyper::service::service_fn(move |req| {
+                heard.store(true, Ordering::Relaxed);
                 let fut = handler(req);
                 async move { Ok::<_, Infallible>(fut.await) }
             });
@@ -250,9 +260,7 @@ fn serve(
                             .into_owned(),
                     );
                     tokio::spawn(async move {
-                        if let Err(e) = conn.await {
-                            tracing::debug!(%peer, error = %e, "connection ended with an error");
-                        }
+                        drive(conn, &spoke, peer).await;
                         drop(permit);
                     });
                 }
@@ -269,9 +277,7 @@ fn serve(
                                 let conn = builder
                                     .serve_connection(TokioIo::new(tls), svc)
                                     .into_owned();
-                                if let Err(e) = watcher.watch(conn).await {
-                                    tracing::debug!(%peer, error = %e, "connection ended with an error");
-                                }
+                                drive(watcher.watch(conn), &spoke, peer).await;
                             }
                             Ok(Err(e)) => {
                                 tracing::debug!(%peer, error = %e, "TLS handshake failed")
@@ -285,6 +291,32 @@ fn serve(
         drop(listener);
         graceful.shutdown().await;
     })
+}
+
+/// Serves a connection to its end — unless no request has begun within
+/// [`HEADER_READ_TIMEOUT`]: hyper's header timeout starts only once a request's bytes arrive
+/// (and after HTTP/1-or-2 detection), so a silent client would otherwise hold its slot.
+async fn drive<F, E>(conn: F, spoke: &AtomicBool, peer: SocketAddr)
+where
+    F: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    tokio::pin!(conn);
+    let ended = tokio::select! {
+        r = &mut conn => Some(r),
+        _ = tokio::time::sleep(HEADER_READ_TIMEOUT) => None,
+    };
+    let result = match ended {
+        Some(r) => r,
+        None if !spoke.load(Ordering::Relaxed) => {
+            tracing::debug!(%peer, "closing a connection that sent no request in time");
+            return;
+        }
+        None => conn.await,
+    };
+    if let Err(e) = result {
+        tracing::debug!(%peer, error = %e, "connection ended with an error");
+    }
 }
 
 fn tls_acceptor(files: &crate::config::TlsFiles) -> anyhow::Result<TlsAcceptor> {

@@ -127,6 +127,11 @@ fn store_urls_are_redacted_and_leases_bounded() {
     );
     assert_eq!(redact_url("postgres://app@db/x"), "postgres://app@db/x");
     assert_eq!(redact_url("sqlite://idemproxy.db"), "sqlite://idemproxy.db");
+    assert_eq!(
+        redact_url("postgres://u@h/db?password=S3cret"),
+        "postgres://u@h/db?password=***"
+    );
+    assert!(!redact_url("postgres://u:a/b?c@h/db").contains("a/b?c"));
     let e = first_error("[store]\nlease = \"100ms\"\n");
     assert!(e.contains("at least"), "{e}");
 }

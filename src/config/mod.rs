@@ -143,23 +143,33 @@ pub struct Route {
 
 /// A store URL fit for logs and errors: the password, if any, is masked.
 pub fn redact_url(url: &str) -> String {
-    let Some(scheme_end) = url.find("://") else {
-        return url.to_owned();
+    let Ok(mut parsed) = url::Url::parse(url) else {
+        // Unparseable: show the scheme only, in case the rest holds a secret.
+        return match url.find("://") {
+            Some(i) => format!("{}://***", &url[..i]),
+            None => "***".into(),
+        };
     };
-    let rest = &url[scheme_end + 3..];
-    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
-    match authority
-        .rfind('@')
-        .and_then(|at| authority[..at].find(':').map(|colon| (colon, at)))
-    {
-        Some((colon, at)) => format!(
-            "{}{}:***{}",
-            &url[..scheme_end + 3],
-            &rest[..colon],
-            &rest[at..]
-        ),
-        None => url.to_owned(),
+    if parsed.password().is_some() {
+        let _ = parsed.set_password(Some("***"));
     }
+    let secret =
+        |k: &str| k.eq_ignore_ascii_case("password") || k.eq_ignore_ascii_case("sslpassword");
+    if parsed.query_pairs().any(|(k, _)| secret(&k)) {
+        let pairs: Vec<(String, String)> = parsed
+            .query_pairs()
+            .map(|(k, v)| {
+                let v = if secret(&k) {
+                    "***".to_owned()
+                } else {
+                    v.into_owned()
+                };
+                (k.into_owned(), v)
+            })
+            .collect();
+        parsed.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    parsed.to_string()
 }
 
 /// Every problem found in a config file, each as `file:line:col: message`.

@@ -49,9 +49,11 @@ struct Clock(Arc<std::sync::atomic::AtomicI64>);
 
 impl Clock {
     async fn measure(&self, pool: &PgPool) -> StoreResult<()> {
+        // Time the query alone, not the wait for a pooled connection.
+        let mut conn = pool.acquire().await?;
         let before = now_ms();
         let db: i64 = sqlx::query_scalar(&format!("SELECT {NOW}"))
-            .fetch_one(pool)
+            .fetch_one(&mut *conn)
             .await?;
         let local = before + (now_ms() - before) / 2;
         self.0
@@ -310,6 +312,10 @@ impl Store for PgStore {
         timeout: Duration,
     ) -> StoreResult<Option<Vec<EntityLease>>> {
         let deadline = Instant::now() + timeout;
+        let every = (lease / 3).max(Duration::from_millis(50));
+        // When the leases already taken are next due for renewal: kept across wake-ups, so a
+        // busy entity that keeps changing hands cannot postpone it.
+        let mut renew_at = Instant::now() + every;
         let mut held = Vec::with_capacity(entities.len());
         for entity in entities {
             loop {
@@ -323,6 +329,9 @@ impl Store for PgStore {
                 };
                 match attempt {
                     Attempt::Acquired(epoch) => {
+                        if held.is_empty() {
+                            renew_at = Instant::now() + every;
+                        }
                         held.push(EntityLease {
                             entity: entity.clone(),
                             epoch,
@@ -337,13 +346,13 @@ impl Store for PgStore {
                         // Woken by the holder's release, or when its lease would run out — and
                         // never later than a third of our own lease, so the leases already
                         // taken are renewed while we wait for the next one.
-                        let renew_at = Instant::now() + (lease / 3).max(Duration::from_millis(50));
                         let wake = (Instant::now() + left + Duration::from_millis(1)).min(deadline);
                         tokio::select! {
                             _ = woken.changed() => {}
-                            _ = tokio::time::sleep_until(wake.min(renew_at)) => {}
+                            _ = tokio::time::sleep_until(if held.is_empty() { wake } else { wake.min(renew_at) }) => {}
                         }
                         if !held.is_empty() && Instant::now() >= renew_at {
+                            renew_at = Instant::now() + every;
                             match self.renew_entities(&held, owner, lease).await {
                                 Ok(lost) if lost.is_empty() => {}
                                 Ok(_) => {
@@ -463,7 +472,11 @@ impl Store for PgStore {
         ordered::release_claim(&self.pool, entity).await
     }
 
-    async fn append_audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
+    async fn append_audit(&self, mut rows: Vec<AuditRow>) -> StoreResult<()> {
+        // Purged against the database clock.
+        for r in &mut rows {
+            r.expires_at = self.clock.to_db(r.expires_at);
+        }
         ordered::append_audit(&self.pool, &rows).await
     }
 
