@@ -36,6 +36,9 @@ enum Part {
     Var(Source),
 }
 
+/// Most values one template may produce (the product of its multi-valued parts).
+pub const MAX_VALUES: usize = 1_000;
+
 /// A parsed template.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Template {
@@ -147,6 +150,9 @@ impl Template {
                     }
                     if vals.len() == 1 {
                         outs.iter_mut().for_each(|o| o.push_str(&vals[0]));
+                    } else if outs.len().saturating_mul(vals.len()) > MAX_VALUES {
+                        // Several `[*]` parts multiply: refuse before building the product.
+                        return Err(format!("{} (over {MAX_VALUES} values)", source_name(src)));
                     } else {
                         outs = outs
                             .iter()
@@ -294,6 +300,17 @@ mod tests {
             t.eval_url(&view(&h, Some(&body))).unwrap(),
             "/slots/A-1.b_c~?x=1"
         );
+    }
+
+    #[test]
+    fn products_of_lists_are_bounded() {
+        let t = Template::parse("{body.a[*]}:{body.b[*]}").unwrap();
+        let list: Vec<i32> = (0..100).collect();
+        let body = json!({"a": list, "b": list});
+        let h = HeaderMap::new();
+        assert!(t.eval(&view(&h, Some(&body))).unwrap_err().contains("over"));
+        let small = json!({"a": [1, 2], "b": [3]});
+        assert_eq!(t.eval(&view(&h, Some(&small))).unwrap().len(), 2);
     }
 
     #[test]
