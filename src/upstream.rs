@@ -33,7 +33,44 @@ pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
 /// A client for one upstream.
 pub struct UpstreamClient {
     pub upstream: Arc<Upstream>,
-    client: Client<HttpsConnector<HttpConnector>, ProxyBody>,
+    client: Client<BoundedConnect<HttpsConnector<HttpConnector>>, ProxyBody>,
+}
+
+/// A connector whose whole connect (name lookup, TCP, TLS handshake) has a deadline. Its
+/// errors are connect errors to the client, which is how a forward knows nothing was sent.
+#[derive(Clone)]
+pub struct BoundedConnect<C> {
+    inner: C,
+    limit: Duration,
+}
+
+impl<C> tower_service::Service<Uri> for BoundedConnect<C>
+where
+    C: tower_service::Service<Uri>,
+    C::Future: Send + 'static,
+    C::Error: Into<BoxError>,
+{
+    type Response = C::Response;
+    type Error = BoxError;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<C::Response, BoxError>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let (connect, limit) = (self.inner.call(uri), self.limit);
+        Box::pin(async move {
+            match tokio::time::timeout(limit, connect).await {
+                Ok(connected) => connected.map_err(Into::into),
+                Err(_) => Err(format!("no connection within {limit:?}").into()),
+            }
+        })
+    }
 }
 
 impl UpstreamClient {
@@ -67,14 +104,18 @@ impl UpstreamClient {
         let mut http = HttpConnector::new();
         http.enforce_http(false);
         http.set_nodelay(true);
-        // Connect failures are "never sent": bound them well inside the whole-call timeout, so
-        // a host that does not answer is a 502 and a released key, not an unknown outcome.
-        http.set_connect_timeout(Some((upstream.timeout / 2).min(Duration::from_secs(10))));
         let https = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
             .enable_all_versions()
             .wrap_connector(http);
+        // Connecting (DNS, TCP and TLS together) is bounded well inside the whole-call timeout:
+        // a connection that is not made in time was never sent anything, so it is a 502 and a
+        // released key, not an unknown outcome.
+        let https = BoundedConnect {
+            inner: https,
+            limit: (upstream.timeout / 2).min(Duration::from_secs(10)),
+        };
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(https);

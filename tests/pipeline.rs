@@ -212,6 +212,31 @@ async fn unreachable_upstream_is_502_and_releases_the_key() {
     assert_eq!(rec["attempts"], 2, "reserved and forwarded again");
 }
 
+/// A TLS upstream that accepts TCP and then never answers the handshake: the connection is
+/// never made, so nothing was sent — a 502 and a released key, not an unknown outcome.
+#[tokio::test]
+async fn a_stalled_tls_handshake_counts_as_never_sent() {
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut sockets = Vec::new();
+        while let Ok((s, _)) = silent.accept().await {
+            sockets.push(s); // kept open, never written to
+        }
+    });
+    let proxy = start_at(&format!("https://{addr}"), "timeout = \"2s\"", &charges("")).await;
+    let resp = post(
+        &proxy.url("/api/v1/charges"),
+        "k-stall",
+        &charge("cus_1", 1),
+    )
+    .await;
+    assert_error(&resp, 502, "upstream_unreachable");
+    let rec = admin_record(&proxy, "k-stall").await;
+    assert_eq!(rec["state"], "released", "{rec}");
+    held.abort();
+}
+
 #[tokio::test]
 async fn upstream_timeout_is_504_then_outcome_unknown() {
     let upstream = RecordingUpstream::hanging().await;
