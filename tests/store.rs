@@ -95,7 +95,7 @@ async fn suite(s: Arc<dyn Store>) {
             &id("k1"),
             e1,
             Finish::Completed {
-                response: answer(1),
+                response: answer(1).into(),
                 expires_at: far,
                 effects: Default::default(),
             }
@@ -285,7 +285,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
             &id("b1"),
             e,
             Finish::Completed {
-                response: answer(1),
+                response: answer(1).into(),
                 expires_at: far,
                 effects
             }
@@ -329,7 +329,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
             &id("b2"),
             e2,
             Finish::Completed {
-                response: answer(2),
+                response: answer(2).into(),
                 expires_at: far,
                 effects: stale
             }
@@ -358,7 +358,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
             &id("b3"),
             e3,
             Finish::Completed {
-                response: answer(3),
+                response: answer(3).into(),
                 expires_at: far,
                 effects: release
             }
@@ -408,7 +408,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
             &id("gone"),
             expired,
             Finish::Completed {
-                response: answer(4),
+                response: answer(4).into(),
                 expires_at: 1,
                 effects: Default::default()
             }
@@ -584,7 +584,7 @@ async fn concurrent_suite(s: Arc<dyn Store>) {
         tasks.push(tokio::spawn(async move {
             let e = if stale { epoch + 7 } else { epoch };
             let done = Finish::Completed {
-                response: answer(1),
+                response: answer(1).into(),
                 expires_at: far,
                 effects: Default::default(),
             };

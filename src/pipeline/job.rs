@@ -112,9 +112,10 @@ impl Job {
         let mut cache_until = None;
         let (finish, answer) = match outcome {
             Outcome::Answer(resp) if up.release_statuses.contains(&resp.status) => {
-                (Finish::Released, Ok(resp))
+                (Finish::Released, Ok(Arc::new(resp)))
             }
             Outcome::Answer(resp) => {
+                let resp = Arc::new(resp);
                 let retention = self
                     .route
                     .retention
@@ -149,10 +150,9 @@ impl Job {
             Ok(true) => {
                 // Stored: the next retry replays from memory.
                 if let (Some(expires_at), Ok(resp)) = (cache_until, &answer) {
-                    let cached = Arc::new(resp.clone());
                     self.state
                         .cache
-                        .put(&self.id, &self.fingerprint, cached, expires_at);
+                        .put(&self.id, &self.fingerprint, resp.clone(), expires_at);
                 }
             }
             Ok(false) => {

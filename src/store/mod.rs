@@ -135,7 +135,8 @@ pub enum Reserved {
 #[derive(Debug, Clone)]
 pub enum Finish {
     Completed {
-        response: StoredResponse,
+        /// Shared with the replay cache and the client's answer: stored without a copy.
+        response: std::sync::Arc<StoredResponse>,
         expires_at: i64,
         /// Version and claim changes, for 2xx answers.
         effects: Effects,
@@ -184,7 +185,7 @@ impl Finish {
             state,
             status: response.as_ref().map(|r| r.status),
             headers: response.as_ref().map(|r| codec::encode_headers(&r.headers)),
-            body: response.map(|r| r.body),
+            body: response.map(|r| r.body.clone()),
             expires_at,
             effects,
         }
