@@ -22,7 +22,6 @@ pub(super) struct Job {
     pub(super) client: Arc<UpstreamClient>,
     pub(super) route: Arc<Route>,
     pub(super) id: crate::store::ScopedKey,
-    pub(super) key: String,
     pub(super) fingerprint: String,
     pub(super) epoch: i64,
     /// Recorded once the outcome is stored.
@@ -156,11 +155,11 @@ impl Job {
                 }
             }
             Ok(false) => {
-                tracing::warn!(key = %self.key, "our reservation was taken over; the answer was not stored")
+                tracing::warn!(key = %self.id.key, "our reservation was taken over; the answer was not stored")
             }
             Err(e) => {
                 self.state.stats.on_store_error();
-                tracing::error!(key = %self.key, error = %e, "could not store the upstream's answer; the key will read as unknown");
+                tracing::error!(key = %self.id.key, error = %e, "could not store the upstream's answer; the key will read as unknown");
             }
         }
         self.leases.release().await;
@@ -170,7 +169,7 @@ impl Job {
             t.upstream_status = status;
             t.record(&self.state.auditor, decision);
         }
-        answer.map(|resp| respond(&resp, &self.key, false))
+        answer.map(|resp| respond(&resp, &self.id.key, false))
     }
 
     /// The upstream call, renewing our lease every third of it while it runs.
@@ -218,11 +217,11 @@ impl Job {
         match store.renew(&self.id, self.epoch, lease).await {
             Ok(true) => {}
             Ok(false) => {
-                tracing::error!(key = %self.key, "lost the key's reservation while the upstream call runs")
+                tracing::error!(key = %self.id.key, "lost the key's reservation while the upstream call runs")
             }
             Err(e) => {
                 self.state.stats.on_store_error();
-                tracing::warn!(key = %self.key, error = %e, "lease renewal failed");
+                tracing::warn!(key = %self.id.key, error = %e, "lease renewal failed");
             }
         }
     }

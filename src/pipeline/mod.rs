@@ -215,7 +215,6 @@ async fn protected(
             client: client.clone(),
             route: route.clone(),
             id: p.id.clone(),
-            key: p.key.clone(),
             fingerprint: p.fingerprint.clone(),
             epoch: 0,
             trace: trace.take(),
