@@ -46,8 +46,9 @@ ENV IDEMPROXY_CONFIG=/etc/idemproxy/proxy.toml
 # Inside a container the listeners must bind 0.0.0.0: a loopback address is unreachable from
 # outside it. The shipped proxy.toml reads these two variables
 # (listen = "${IDEMPROXY_LISTEN:-127.0.0.1:8080}", admin_listen = "${IDEMPROXY_ADMIN_LISTEN:-...}").
-# The admin listener is then reachable too: set IDEMPROXY_ADMIN_TOKEN, or publish 9090 on
-# loopback only.
+# The admin listener is then reachable too. Without IDEMPROXY_ADMIN_TOKEN it serves only
+# /healthz, /readyz and /metrics (for probes): /admin/* answers 403 until a token is set.
+# Publish 9090 on loopback only (-p 127.0.0.1:9090:9090) or not at all. See docs/security.md.
 ENV IDEMPROXY_LISTEN=0.0.0.0:8080 \
     IDEMPROXY_ADMIN_LISTEN=0.0.0.0:9090
 

@@ -36,6 +36,12 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
             resp
         }
         (_, p) if p.starts_with("/admin/") => {
+            if !admin_open(&state) {
+                return error(ProxyError::new(
+                    ErrorKind::Forbidden,
+                    "the admin API is off: the admin listener is not on loopback and no admin_token is set",
+                ));
+            }
             if !authorized(&state, &req) {
                 return error(ProxyError::new(
                     ErrorKind::Unauthorized,
@@ -49,6 +55,13 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
             format!("no admin endpoint {method} {path}"),
         )),
     }
+}
+
+/// Without a token, `/admin/*` (stored answers, key release, claim deletion) is served only
+/// on a loopback admin listener: a listener others can reach needs a token.
+pub fn admin_open(state: &AppState) -> bool {
+    let server = &state.config.server;
+    server.admin_token.is_some() || server.admin_listen.is_some_and(|a| a.ip().is_loopback())
 }
 
 fn authorized(state: &AppState, req: &Request<Incoming>) -> bool {
@@ -101,6 +114,12 @@ async fn admin_api(state: &AppState, method: &Method, path: &str) -> Response<Pr
                 )
             })
         }
+        (&Method::DELETE, ["entities", entity, "version"]) => {
+            state.store.reset_version(entity).await.map(|n| {
+                tracing::info!(entity, reset = n, "entity version reset by the admin API");
+                json_response(StatusCode::OK, json!({"entity": entity, "reset": n}))
+            })
+        }
         (&Method::POST, ["keys", key, "release"]) => state.store.release_key(key).await.map(|n| {
             state.cache.forget_key(key);
             tracing::info!(key, released = n, "key released by the admin API");
@@ -131,23 +150,28 @@ pub async fn key_report(store: &dyn Store, key: &str) -> StoreResult<Option<Valu
     })))
 }
 
-/// An entity's version, claim and audit history (newest first).
+/// An entity's version, claim and audit history (newest first). `entity` may be a bare name
+/// (`contact:42`): every credential scope's state of it is listed under `scopes`, and the
+/// top-level `version` and `claim` sum them up (the highest version, a live claim).
 pub async fn entity_report(store: &dyn Store, entity: &str) -> StoreResult<Value> {
-    let state = store
-        .entity_states(&[entity.to_owned()])
-        .await?
-        .into_iter()
-        .next();
+    let states = store.find_entities(entity).await?;
     let history = store.audit_for_entity(entity, HISTORY).await?;
     let now = now_ms();
-    let claim = state
-        .as_ref()
-        .and_then(|s| s.claim.as_ref())
-        .filter(|c| c.until > now);
+    let live_claim = |s: &crate::store::EntityState| {
+        s.claim
+            .as_ref()
+            .filter(|c| c.until > now)
+            .map(|c| json!({"key": c.owner.key, "upstream": c.owner.upstream, "until_ms": c.until}))
+    };
     Ok(json!({
         "entity": entity,
-        "version": state.as_ref().and_then(|s| s.version),
-        "claim": claim.map(|c| json!({"key": c.owner.key, "upstream": c.owner.upstream, "until_ms": c.until})),
+        "version": states.iter().filter_map(|s| s.version).max(),
+        "claim": states.iter().find_map(live_claim),
+        "scopes": states.iter().map(|s| json!({
+            "entity": s.entity,
+            "version": s.version,
+            "claim": live_claim(s),
+        })).collect::<Vec<_>>(),
         "history": history.iter().map(audit_json).collect::<Vec<_>>(),
     }))
 }

@@ -46,11 +46,12 @@ fn check_claims(states: &[EntityState], p: &Prepared) -> ProxyResult<()> {
     for s in states {
         if let Some(c) = &s.claim {
             if c.until > now && c.owner != p.id {
+                let entity = crate::key::unqualified(&s.entity);
                 return Err(ProxyError::new(
                     ErrorKind::EntityClaimed,
-                    format!("{} is claimed by another execution", s.entity),
+                    format!("{entity} is claimed by another execution"),
                 )
-                .details(json!({"entity": s.entity, "claimed_until_ms": c.until})));
+                .details(json!({"entity": entity, "claimed_until_ms": c.until})));
             }
         }
     }
@@ -62,14 +63,14 @@ fn check_claims(states: &[EntityState], p: &Prepared) -> ProxyResult<()> {
 fn check_versions(states: &[EntityState], version: i64) -> ProxyResult<()> {
     for s in states {
         if let Some(current) = s.version.filter(|c| *c >= version) {
+            let entity = crate::key::unqualified(&s.entity);
             return Err(ProxyError::new(
                 ErrorKind::StaleVersion,
                 format!(
-                    "version {version} of {} is not newer than the accepted version {current}",
-                    s.entity
+                    "version {version} of {entity} is not newer than the accepted version {current}"
                 ),
             )
-            .details(json!({"entity": s.entity, "current_version": current, "version": version})));
+            .details(json!({"entity": entity, "current_version": current, "version": version})));
         }
     }
     Ok(())
@@ -92,8 +93,8 @@ async fn precheck(
     let mut req = Request::new(full(bytes::Bytes::new()));
     *req.method_mut() = pc.method.clone();
     *req.uri_mut() = uri;
-    for name in std::iter::once(&http::header::AUTHORIZATION).chain(&up.scope_headers) {
-        for v in headers.get_all(name) {
+    for name in crate::key::credential_names(&up.scope_headers) {
+        for v in headers.get_all(&name) {
             req.headers_mut().append(name.clone(), v.clone());
         }
     }

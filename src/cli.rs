@@ -1,6 +1,7 @@
 //! The `idemproxy` command line. `main.rs` only calls [`main`].
 
 use crate::config::Config;
+use crate::logging::escape_controls;
 use crate::store::{KeyFilter, KeyState};
 use clap::{Parser, Subcommand, ValueEnum};
 use std::io::Read;
@@ -86,7 +87,10 @@ enum KeysCommand {
 /// Runs the command line; the exit code is the command's.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_logging(cli.log_format);
+    crate::logging::init(match cli.log_format {
+        LogFormat::Text => crate::logging::Format::Text,
+        LogFormat::Json => crate::logging::Format::Json,
+    });
     let config = match Config::load(&cli.config) {
         Ok(c) => c,
         Err(e) => {
@@ -115,18 +119,6 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Text => builder.init(),
-        LogFormat::Json => builder.json().init(),
-    }
-}
-
 fn runtime(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -146,7 +138,42 @@ fn check(config: &Config) -> anyhow::Result<()> {
     for r in &config.routes {
         println!("route {}", r.summary());
     }
+    for w in credential_warnings(config) {
+        eprintln!("warning: {w}");
+    }
     Ok(())
+}
+
+/// Templates that copy credential headers into keys, entity names or versions would store
+/// the credentials in clear (keys and entities are stored and shown as they are).
+fn credential_warnings(config: &Config) -> Vec<String> {
+    use crate::template::Source;
+    let mut out = Vec::new();
+    for r in &config.routes {
+        let extra = config
+            .upstream(&r.upstream)
+            .map(|u| u.scope_headers.clone())
+            .unwrap_or_default();
+        let used = [
+            ("key.derive", r.key.derive.as_ref()),
+            ("entity", r.entity.as_ref()),
+            ("version", r.version.as_ref()),
+        ];
+        for (what, t) in used {
+            let Some(t) = t else { continue };
+            for src in t.sources() {
+                if let Source::Header(h) = src {
+                    if crate::key::is_credential(h.as_str(), &extra) {
+                        out.push(format!(
+                            "route {}: {what} reads {{header.{h}}}, a credential: it would be stored and shown in clear (keys are already scoped by credentials)",
+                            r.name
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    out
 }
 
 fn explain(
@@ -174,7 +201,7 @@ fn explain(
     };
     let report =
         crate::explain::explain(config, method, url, headers, body).map_err(anyhow::Error::msg)?;
-    print!("{report}");
+    print!("{}", escape_controls(&report, true));
     Ok(())
 }
 
@@ -270,7 +297,8 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
     let result = match command {
         KeysCommand::Show { key } => match crate::admin::key_report(store.as_ref(), &key).await? {
             Some(report) => {
-                println!("{}", serde_json::to_string_pretty(&report)?);
+                let text = serde_json::to_string_pretty(&report)?;
+                println!("{}", escape_controls(&text, true));
                 Ok(())
             }
             None => Err(anyhow::anyhow!("no key {key:?}")),
@@ -282,7 +310,10 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
                 Some(n) => n,
                 None => store.release_key(&key).await?,
             };
-            println!("released {n} record(s) of key {key:?}");
+            println!(
+                "released {n} record(s) of key {:?}",
+                escape_controls(&key, false)
+            );
             if n == 0 {
                 Err(anyhow::anyhow!(
                     "nothing to release (no such key, already released, or in flight right now)"
@@ -320,12 +351,12 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
                     .unwrap_or_else(|| "-".into());
                 println!(
                     "{}\t{}\t{}\t{}\tstatus={status}\tattempts={}\tentities={}",
-                    r.id.key,
+                    escape_controls(&r.id.key, false),
                     r.id.upstream,
                     r.effective_state(crate::store::now_ms()).as_str(),
                     r.route,
                     r.attempts,
-                    r.entities.join(",")
+                    escape_controls(&r.entities.join(","), false)
                 );
             }
             Ok(())

@@ -43,6 +43,15 @@ pub enum ErrorKind {
     StoreUnavailable,
     UpstreamUnreachable,
     UpstreamTimeout,
+    /// A method spelled like a standard one in another case (`post`): never forwarded.
+    BadMethod,
+    /// The request body did not arrive within `body_timeout` (`408`).
+    BodyTimeout,
+    /// The key's first answer was over `max_answer`: it reached its first caller but was not
+    /// stored, so it cannot be replayed; the request is never forwarded again (`409`).
+    AnswerTooLarge,
+    /// Admin API only: `/admin/*` on a non-loopback listener without an `admin_token`.
+    Forbidden,
     /// Admin API only: a missing or wrong bearer token.
     Unauthorized,
     /// Admin API only: the key or entity does not exist.
@@ -72,6 +81,10 @@ impl ErrorKind {
             StoreUnavailable => "store_unavailable",
             UpstreamUnreachable => "upstream_unreachable",
             UpstreamTimeout => "upstream_timeout",
+            BadMethod => "bad_method",
+            BodyTimeout => "body_timeout",
+            AnswerTooLarge => "answer_too_large",
+            Forbidden => "forbidden",
             Unauthorized => "unauthorized",
             NotFound => "not_found",
         }
@@ -81,15 +94,15 @@ impl ErrorKind {
     pub fn status(self) -> StatusCode {
         use ErrorKind::*;
         match self {
-            BadPath | BodyInvalid | KeyMissing | KeyInvalid | EntityMissing | VersionMissing => {
-                StatusCode::BAD_REQUEST
-            }
+            BadPath | BadMethod | BodyInvalid | KeyMissing | KeyInvalid | EntityMissing
+            | VersionMissing => StatusCode::BAD_REQUEST,
             NoRoute | NotFound => StatusCode::NOT_FOUND,
             BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
-            RequestInProgress | OutcomeUnknown | StaleVersion | EntityClaimed | PrecheckFailed => {
-                StatusCode::CONFLICT
-            }
+            RequestInProgress | OutcomeUnknown | StaleVersion | EntityClaimed | PrecheckFailed
+            | AnswerTooLarge => StatusCode::CONFLICT,
+            BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            Forbidden => StatusCode::FORBIDDEN,
             EntityBusy | StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             UpstreamUnreachable => StatusCode::BAD_GATEWAY,
             UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
@@ -104,7 +117,7 @@ impl ErrorKind {
             StoreUnavailable => Origin::Store,
             UpstreamUnreachable | UpstreamTimeout => Origin::Upstream,
             KeyReused | RequestInProgress | OutcomeUnknown | StaleVersion | EntityClaimed
-            | PrecheckFailed | EntityBusy => Origin::Conflict,
+            | PrecheckFailed | EntityBusy | AnswerTooLarge => Origin::Conflict,
             _ => Origin::Downstream,
         }
     }

@@ -100,7 +100,16 @@ pub fn explain(
         body: &body,
         path_params: &params,
     };
-    let p = match prepare::prepare(&upstream, &route, plan, &input) {
+    // The running proxy keys scopes with its secret; without one in the config (SQLite's
+    // generated file), a placeholder shows the shape, not the value.
+    let secret = match &config.store.scope_secret {
+        Some(s) => Some(s.as_bytes().to_vec()),
+        None => crate::store::sqlite::existing_scope_secret(&config.store.url),
+    };
+    let placeholder = secret.is_none();
+    let secret = secret.unwrap_or_else(|| b"explain-placeholder".to_vec());
+    let scoper = crate::key::ScopeKeyer::new(&secret);
+    let p = match prepare::prepare(&upstream, &route, plan, &input, &scoper) {
         Ok(p) => p,
         Err(e) => return Ok(refused(out, &e)),
     };
@@ -109,7 +118,29 @@ pub fn explain(
         KeySource::Derived => "derived",
     };
     let _ = writeln!(w, "key:         {} ({source})", p.key);
-    let _ = writeln!(w, "scope:       {}", p.id.scope);
+    let creds: Vec<String> = crate::key::credential_names(&upstream.scope_headers)
+        .filter(|n| hm.contains_key(n))
+        .map(|n| n.to_string())
+        .collect();
+    let _ = writeln!(
+        w,
+        "scope:       {}{}",
+        p.id.scope,
+        if placeholder {
+            " (keyed with a placeholder: the store has no secret yet)"
+        } else {
+            ""
+        }
+    );
+    let _ = writeln!(
+        w,
+        "credentials: {}",
+        if creds.is_empty() {
+            "none (every caller without credentials shares one scope)".to_owned()
+        } else {
+            creds.join(", ")
+        }
+    );
     let _ = writeln!(w, "fingerprint: {}", p.fingerprint);
     let _ = writeln!(
         w,

@@ -4,7 +4,7 @@
 
 use crate::store::StoredResponse;
 use crate::upstream::{strip_hop_by_hop, ProxyBody, UpstreamClient};
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::{header, Request};
 use http_body_util::BodyExt;
 use std::time::Duration;
@@ -14,6 +14,13 @@ use std::time::Duration;
 pub enum Outcome {
     /// A complete answer.
     Answer(StoredResponse),
+    /// An answer over the upstream's `max_answer`: its head and the part read so far, and the
+    /// rest still streaming. Memory stays bounded; the body is never stored.
+    Oversize {
+        head: StoredResponse,
+        prefix: Bytes,
+        rest: hyper::body::Incoming,
+    },
     /// Never sent (connect, DNS, TLS): safe to forward again.
     NotSent(String),
     /// Sent, no complete answer (timeout, reset): the upstream may have applied it.
@@ -28,25 +35,55 @@ pub async fn call(client: &UpstreamClient, req: Request<ProxyBody>, timeout: Dur
             Err(e) if e.is_connect() => return Outcome::NotSent(describe(&e)),
             Err(e) => return Outcome::Unknown(describe(&e)),
         };
-        let (parts, body) = resp.into_parts();
-        let body = match body.collect().await {
-            Ok(b) => b.to_bytes(),
-            Err(e) => {
-                return Outcome::Unknown(format!("the answer's body broke off: {}", describe(&e)))
-            }
-        };
+        let (parts, mut body) = resp.into_parts();
         let mut headers = parts.headers;
         strip_hop_by_hop(&mut headers);
-        // The length is the body's; hyper recomputes it on every (re)play.
-        headers.remove(header::CONTENT_LENGTH);
-        Outcome::Answer(StoredResponse {
+        let declared = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        let mut head = StoredResponse {
             status: parts.status.as_u16(),
             headers: headers
                 .iter()
+                // The length is the body's; hyper recomputes it on every (re)play.
+                .filter(|(n, _)| *n != header::CONTENT_LENGTH)
                 .map(|(n, v)| (n.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
                 .collect(),
-            body,
-        })
+            body: Bytes::new(),
+        };
+        let max = client.upstream.max_answer;
+        let mut buf = BytesMut::new();
+        loop {
+            if buf.len() > max || declared.is_some_and(|n| n > max as u64) {
+                // Streamed on to the first caller, never buffered whole: keep the length.
+                if let Some(n) = declared {
+                    head.headers
+                        .push(("content-length".into(), Bytes::from(n.to_string())));
+                }
+                return Outcome::Oversize {
+                    head,
+                    prefix: buf.freeze(),
+                    rest: body,
+                };
+            }
+            match body.frame().await {
+                None => break,
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        buf.extend_from_slice(&data);
+                    }
+                }
+                Some(Err(e)) => {
+                    return Outcome::Unknown(format!(
+                        "the answer's body broke off: {}",
+                        describe(&e)
+                    ))
+                }
+            }
+        }
+        head.body = buf.freeze();
+        Outcome::Answer(head)
     };
     match tokio::time::timeout(timeout, fut).await {
         Ok(outcome) => outcome,
@@ -64,4 +101,35 @@ pub fn describe(e: &dyn std::error::Error) -> String {
         src = cause.source();
     }
     s
+}
+
+/// A body that yields what was already read, then the rest of the upstream's stream: how an
+/// answer over `max_answer` reaches its first caller without being held in memory.
+pub struct PrefixedBody {
+    prefix: Option<Bytes>,
+    rest: hyper::body::Incoming,
+}
+
+impl PrefixedBody {
+    pub fn new(prefix: Bytes, rest: hyper::body::Incoming) -> PrefixedBody {
+        PrefixedBody {
+            prefix: (!prefix.is_empty()).then_some(prefix),
+            rest,
+        }
+    }
+}
+
+impl hyper::body::Body for PrefixedBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        if let Some(prefix) = self.prefix.take() {
+            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(prefix))));
+        }
+        std::pin::Pin::new(&mut self.rest).poll_frame(cx)
+    }
 }

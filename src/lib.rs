@@ -5,6 +5,8 @@
 //!
 //! - [`server`]: listeners (main, per-upstream, admin), HTTP/1.1 + HTTP/2 via hyper-util,
 //!   optional inbound TLS, graceful shutdown.
+//! - [`accept`]: the accept loop under hostile load: connection limits per listener and per
+//!   peer, back-off when file descriptors run out, rate-limited logs.
 //! - [`proxy`]: the main-listener router: prefix → upstream, path safety, safe methods streamed
 //!   through, route matching, `unmatched` policy.
 //! - [`pipeline`]: the protected-request pipeline, SPEC.md steps 1–7 as named steps of one
@@ -25,9 +27,12 @@
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
 //! - [`metrics`]: counters shared by the pipeline and the admin listener.
 //! - [`error`]: the one error type of the request path and its mapping to JSON responses.
+//! - [`logging`]: log lines and CLI output with control characters escaped (no forged
+//!   lines, no terminal escapes from request data).
 //! - [`cli`]: the `idemproxy` commands (`serve`, `check`, `explain`, `keys`, `migrate`).
 //! - [`explain`]: the dry run behind `idemproxy explain`.
 
+pub mod accept;
 pub mod admin;
 pub mod audit;
 pub mod body;
@@ -40,6 +45,7 @@ pub mod explain;
 pub mod forward;
 pub mod key;
 pub mod locks;
+pub mod logging;
 pub mod metrics;
 pub mod pipeline;
 pub mod prepare;

@@ -29,7 +29,8 @@ pub struct Prepared {
     pub key_source: KeySource,
     pub id: ScopedKey,
     pub fingerprint: String,
-    /// Sorted, unique.
+    /// Sorted, unique; each qualified with the credential scope (`name@scope`) unless the
+    /// upstream shares entities across credentials.
     pub entities: Vec<String>,
     pub version: Option<i64>,
     /// The precheck's upstream path (and query), when the route has a precheck.
@@ -82,6 +83,7 @@ pub fn prepare(
     route: &Route,
     plan: KeyPlan,
     input: &Input<'_>,
+    scoper: &key::ScopeKeyer,
 ) -> ProxyResult<Prepared> {
     let kind = BodyKind::of(input.headers);
     let parsed = match body::parse(kind, input.body) {
@@ -216,8 +218,19 @@ pub fn prepare(
     }
     let id = ScopedKey {
         upstream: upstream.name.clone(),
-        scope: key::scope_hash(input.headers, &upstream.scope_headers),
+        scope: scoper.scope(input.headers, &upstream.scope_headers),
         key: key.clone(),
+    };
+    // Entity locks, versions and claims belong to the caller's credentials unless the
+    // upstream shares them: another tenant's contact 42 is not ours.
+    let entities = if upstream.share_entities {
+        entities
+    } else {
+        let scope = key::entity_scope(&id.scope);
+        entities
+            .into_iter()
+            .map(|e| format!("{e}@{scope}"))
+            .collect()
     };
     Ok(Prepared {
         key,

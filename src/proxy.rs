@@ -34,6 +34,11 @@ pub struct AppState {
     pub cache: Arc<crate::cache::ReplayCache>,
     /// Where requests' audit rows go (written in batches off the request path).
     pub auditor: crate::audit::Auditor,
+    /// Keys credential scopes with the store's scope secret.
+    pub scoper: crate::key::ScopeKeyer,
+    /// Keys stored by the first release (unkeyed scopes) may still be in the store: a look-up
+    /// that finds nothing under the keyed scope also tries the old one.
+    pub legacy_scopes: bool,
 }
 
 /// Which listener a request arrived on.
@@ -131,6 +136,7 @@ pub fn resolve<'p>(
     path: &'p str,
 ) -> ProxyResult<(Arc<Upstream>, &'p str, Action)> {
     crate::route::check_path(path).map_err(|why| ProxyError::new(ErrorKind::BadPath, why))?;
+    check_method(method)?;
     let (upstream, rel) = match listener {
         Listener::Upstream(u) => (u.clone(), path),
         Listener::Main => find_upstream(config, path).ok_or_else(|| {
@@ -151,6 +157,21 @@ pub fn resolve<'p>(
             .flatten()
             .map(|p| (r, p))
     });
+    if matched.is_none() {
+        let near = upstream
+            .routes
+            .iter()
+            .find(|r| r.methods.contains(method) && r.path.matches_ignoring_case(&canonical));
+        if let Some(r) = near {
+            return Err(ProxyError::new(
+                ErrorKind::BadPath,
+                format!(
+                    "{rel} matches route {} ({}) only when case is ignored; paths are case-sensitive",
+                    r.name, r.path_text
+                ),
+            ));
+        }
+    }
     let action = match matched {
         Some((route, params)) => Action::Protect(route.clone(), params, canonical),
         None => match upstream.unmatched {
@@ -170,6 +191,22 @@ pub fn resolve<'p>(
         },
     };
     Ok((upstream, rel, action))
+}
+
+/// A method spelled like a standard one in another case (`post`, `Delete`) is refused: it
+/// would miss every route, yet an upstream that ignores case would run it.
+fn check_method(method: &Method) -> ProxyResult<()> {
+    const STANDARD: [&str; 9] = [
+        "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
+    ];
+    let m = method.as_str();
+    match STANDARD.iter().find(|s| s.eq_ignore_ascii_case(m)) {
+        Some(s) if *s != m => Err(ProxyError::new(
+            ErrorKind::BadMethod,
+            format!("method {m:?} must be spelled {s}"),
+        )),
+        _ => Ok(()),
+    }
 }
 
 /// `/stripe/v1/charges` → (stripe, `/v1/charges`): whole segments only.

@@ -56,6 +56,22 @@ impl PathPattern {
 
     /// Matches an upstream-relative path (no query); captures are percent-decoded.
     pub fn matches(&self, path: &str) -> Option<Vec<(String, String)>> {
+        self.matches_with(path, |a, b| a == b)
+    }
+
+    /// Whether `path` would match if the case of literal segments were ignored: such a path
+    /// is refused, never forwarded past the route's locks and checks to an upstream whose
+    /// routing ignores case.
+    pub fn matches_ignoring_case(&self, path: &str) -> bool {
+        self.matches_with(path, |a, b| a.eq_ignore_ascii_case(b))
+            .is_some()
+    }
+
+    fn matches_with(
+        &self,
+        path: &str,
+        same: impl Fn(&str, &str) -> bool,
+    ) -> Option<Vec<(String, String)>> {
         let rest = path.strip_prefix('/')?;
         let mut params = Vec::new();
         let mut parts = rest.split('/');
@@ -69,7 +85,7 @@ impl PathPattern {
                 }
                 Seg::Lit(l) => {
                     let p = parts.next()?;
-                    if p != l {
+                    if !same(p, l) {
                         return None;
                     }
                     consumed += p.len() + 1;

@@ -23,14 +23,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpListener;
-use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-/// Most connections served at once per listener; more wait in the kernel's backlog.
-const MAX_CONNECTIONS: usize = 8192;
 /// How long a client may take to send a request head (and how long a connection may idle).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -62,6 +59,24 @@ impl Server {
         let store = crate::store::open(&config.store.url, config.store.lease, true)
             .await
             .with_context(|| format!("cannot open the store {}", config.store.display_url()))?;
+        let scoper = scope_keyer(&config)?;
+        let check = store
+            .scope_secret(&scoper.id())
+            .await
+            .context("cannot read the store's scope secret id")?;
+        anyhow::ensure!(
+            check.recorded == scoper.id(),
+            "the store's credential scopes were keyed with another scope secret (id {}, this one is {}): \
+             with this one every stored key would look new to its callers' retries. Start with the \
+             secret the store was written with",
+            check.recorded,
+            scoper.id()
+        );
+        if check.legacy_keys {
+            tracing::info!(
+                "keys stored by the first release remain: look-ups also try their unkeyed scopes"
+            );
+        }
         let roots = crate::upstream::default_roots();
         let mut clients = HashMap::new();
         for u in &config.upstreams {
@@ -101,6 +116,8 @@ impl Server {
             stats,
             tracker: TaskTracker::new(),
             owner: format!("pid{}-{}", std::process::id(), crate::store::now_ms()),
+            scoper,
+            legacy_scopes: check.legacy_keys,
         });
         let tls = match &config.server.tls {
             Some(files) => Some(tls_acceptor(files)?),
@@ -112,10 +129,15 @@ impl Server {
         let main = bind(config.server.listen).await?;
         let main_addr = main.local_addr()?;
         tracing::info!(addr = %main_addr, tls = tls.is_some(), "listening on main listener");
+        let limits = crate::accept::Limits {
+            total: config.server.max_connections,
+            per_ip: config.server.max_connections_per_ip,
+        };
         loops.push(serve(
             main,
             tls.clone(),
             proxy_handler(&state, Listener::Main),
+            limits,
             cancel.clone(),
         ));
 
@@ -129,6 +151,7 @@ impl Server {
                 l,
                 tls.clone(),
                 proxy_handler(&state, Listener::Upstream(u.clone())),
+                limits,
                 cancel.clone(),
             ));
         }
@@ -138,13 +161,16 @@ impl Server {
                 let l = bind(a).await?;
                 let addr = l.local_addr()?;
                 tracing::info!(addr = %addr, "listening on admin listener");
+                if !admin::admin_open(&state) {
+                    tracing::warn!(addr = %addr, "the admin listener is not on loopback and no admin_token is set: /admin/* is refused (403); /healthz, /readyz and /metrics are served. Set server.admin_token to use the admin API");
+                }
                 state.store.advertise_admin(addr);
                 let st = state.clone();
                 let handler: Handler = Arc::new(move |req| {
                     let st = st.clone();
                     Box::pin(async move { admin::handle(st, req).await })
                 });
-                loops.push(serve(l, None, handler, cancel.clone()));
+                loops.push(serve(l, None, handler, limits, cancel.clone()));
                 Some(addr)
             }
             None => None,
@@ -190,6 +216,17 @@ impl Server {
     }
 }
 
+/// The secret that keys credential scopes: the config's, else (SQLite) the generated one in
+/// the file beside the database.
+fn scope_keyer(config: &Config) -> anyhow::Result<crate::key::ScopeKeyer> {
+    let secret = match &config.store.scope_secret {
+        Some(s) => s.as_bytes().to_vec(),
+        None => crate::store::sqlite::default_scope_secret(&config.store.url)
+            .context("cannot make the store's scope secret")?,
+    };
+    Ok(crate::key::ScopeKeyer::new(&secret))
+}
+
 async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
     TcpListener::bind(addr)
         .await
@@ -209,6 +246,7 @@ fn serve(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     handler: Handler,
+    limits: crate::accept::Limits,
     cancel: CancellationToken,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
@@ -226,21 +264,11 @@ fn serve(
             .timer(TokioTimer::new())
             .keep_alive_interval(Duration::from_secs(30))
             .keep_alive_timeout(Duration::from_secs(10));
-        let limit = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+        let mut acceptor = crate::accept::Acceptor::new(listener, limits);
         loop {
-            let permit = tokio::select! {
+            let (stream, peer, permit) = tokio::select! {
                 _ = cancel.cancelled() => break,
-                p = limit.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-            };
-            let (stream, peer) = tokio::select! {
-                _ = cancel.cancelled() => break,
-                r = listener.accept() => match r {
-                    Ok(s) => s,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "accept failed");
-                        continue;
-                    }
-                },
+                accepted = acceptor.next() => accepted,
             };
             let _ = stream.set_nodelay(true);
             let handler = handler.clone();
@@ -288,7 +316,7 @@ fn serve(
                 }
             }
         }
-        drop(listener);
+        drop(acceptor);
         graceful.shutdown().await;
     })
 }

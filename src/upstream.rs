@@ -133,10 +133,16 @@ impl UpstreamClient {
             .build()
     }
 
+    /// Sends a request; credentials from the upstream URL go along when the caller sent none.
     pub async fn send(
         &self,
-        req: Request<ProxyBody>,
+        mut req: Request<ProxyBody>,
     ) -> Result<http::Response<hyper::body::Incoming>, hyper_util::client::legacy::Error> {
+        if let Some(auth) = &self.upstream.url_credentials {
+            req.headers_mut()
+                .entry(header::AUTHORIZATION)
+                .or_insert_with(|| auth.clone());
+        }
         self.client.request(req).await
     }
 }

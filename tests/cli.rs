@@ -271,7 +271,9 @@ fn explain_shows_upstream_key_fingerprint_and_entity() {
         explain_field(&json_out, "key"),
         "k1 (from the client's header)"
     );
-    assert_eq!(explain_field(&json_out, "entities"), "customer:cus_1");
+    // Entities are scoped by the caller's credentials: `name@scope`.
+    let entities = explain_field(&json_out, "entities");
+    assert!(entities.starts_with("customer:cus_1@"), "{json_out}");
     let fingerprint = explain_field(&json_out, "fingerprint");
     assert!(
         fingerprint.len() == 64 && fingerprint.bytes().all(|b| b.is_ascii_hexdigit()),
@@ -290,13 +292,13 @@ fn explain_shows_upstream_key_fingerprint_and_entity() {
 
     // A body that is not JSON reads as a form; without a header key the key is derived.
     let form = explain(&["--body", "customer=cus_2&amount=100"]);
-    assert_eq!(explain_field(&form, "entities"), "customer:cus_2");
+    assert!(explain_field(&form, "entities").starts_with("customer:cus_2@"));
     assert!(explain_field(&form, "key").ends_with("(derived)"), "{form}");
     assert_ne!(explain_field(&form, "fingerprint"), fingerprint);
 
     let file = dir.write_file("body.json", r#"{"customer": "cus_3", "amount": 5}"#);
     let from_file = explain(&["--body", &format!("@{}", file.display())]);
-    assert_eq!(explain_field(&from_file, "entities"), "customer:cus_3");
+    assert!(explain_field(&from_file, "entities").starts_with("customer:cus_3@"));
 
     let missing = explain(&["-H", "Idempotency-Key: k2", "--body", r#"{"amount":1}"#]);
     assert!(missing.contains("refused: 400 entity_missing"), "{missing}");
@@ -374,7 +376,11 @@ async fn keys_show_list_and_release_a_stored_key() {
     assert_eq!(record["key"], "k-secret");
     assert_eq!(record["state"], "completed");
     assert_eq!(record["attempts"], 1);
-    assert_eq!(record["entities"], json!(["customer:cus_1"]));
+    let entity = record["entities"][0]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(entity.starts_with("customer:cus_1@"), "{report}");
     // explain computes what the proxy stored.
     let explained = idemproxy(&[
         "explain",
@@ -394,6 +400,11 @@ async fn keys_show_list_and_release_a_stored_key() {
         explain_field(&stdout(&explained), "fingerprint")
     );
     assert_eq!(record["scope"], explain_field(&stdout(&explained), "scope"));
+    assert_eq!(
+        entity,
+        explain_field(&stdout(&explained), "entities"),
+        "explain scopes entities as the proxy does"
+    );
 
     let list = |args: &[&str]| {
         let mut all = vec!["keys", "list", "--config", &cfg];

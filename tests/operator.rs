@@ -110,7 +110,10 @@ async fn the_audit_trail_shows_every_decision_on_an_entity() {
     assert!(forwarded["upstream_ms"].is_number(), "{forwarded}");
     assert_eq!(forwarded["route"], "book");
     assert_eq!(forwarded["key"], "aud-1");
-    assert_eq!(forwarded["entities"], json!(["item:a"]));
+    // Entities are scoped by the caller's credentials: `name@scope`.
+    let scoped = forwarded["entities"][0].as_str().unwrap_or_default();
+    assert!(scoped.starts_with("item:a@"), "{forwarded}");
+    assert_eq!(report["scopes"][0]["entity"], scoped, "{report}");
     assert_eq!(
         history[1]["upstream_status"],
         Value::Null,
@@ -123,7 +126,7 @@ async fn the_audit_trail_shows_every_decision_on_an_entity() {
     let record = &key["records"][0];
     assert_eq!(record["state"], "completed", "{key}");
     assert_eq!(record["attempts"], 1, "{key}");
-    assert_eq!(record["entities"], json!(["item:a"]));
+    assert_eq!(record["entities"], forwarded["entities"]);
     assert_eq!(
         decisions(&key["attempts"]),
         ["key_reused", "replayed", "forwarded"]

@@ -531,7 +531,10 @@ async fn twenty_executions_race_for_one_slot_over_two_postgres_replicas() {
     };
     let slots = Slots::default();
     let upstream = calendar(&slots, true).await;
-    let store = format!("[store]\nurl = \"{}\"\n", pg.url);
+    let store = format!(
+        "[store]\nurl = \"{}\"\nscope_secret = \"replicas-share-this-secret\"\n",
+        pg.url
+    );
     let dir = TestDir::new();
     let path = dir.write_config(&config(&upstream.url(), &store, &booking_routes("24h")));
     let a = ProxyProcess::spawn(&path).await;

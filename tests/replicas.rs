@@ -16,6 +16,7 @@ fn config(upstream: &RecordingUpstream, pg_url: &str, lease: &str) -> String {
 [store]
 url = "{pg_url}"
 lease = "{lease}"
+scope_secret = "replicas-share-this-secret"
 
 [upstreams.api]
 url = "{up}"

@@ -154,6 +154,24 @@ fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
             .and_then(|s| parse_size(&s).map_err(|e| cx.err(v.span(), e)).ok())
             .unwrap_or(1 << 20),
     };
+    let size = |cx: &mut Ctx, v: &Option<Str>, default: usize| match v {
+        None => default,
+        Some(v) => cx
+            .s(v)
+            .and_then(|s| parse_size(&s).map_err(|e| cx.err(v.span(), e)).ok())
+            .unwrap_or(default),
+    };
+    let max_answer = size(cx, &raw.max_answer, DEFAULT_MAX_ANSWER);
+    let count = |cx: &mut Ctx, v: &Option<Spanned<i64>>, default: usize| match v {
+        None => default,
+        Some(n) => usize::try_from(*n.get_ref()).unwrap_or_else(|_| {
+            cx.err(n.span(), "must be 0 or more");
+            default
+        }),
+    };
+    let max_connections = count(cx, &raw.max_connections, 8192).max(1);
+    let max_connections_per_ip = count(cx, &raw.max_connections_per_ip, 1024);
+    let body_timeout = cx.dur(&raw.body_timeout, Duration::from_secs(30));
     let tls = raw.tls.as_ref().and_then(|t| {
         let t = t.get_ref();
         Some(TlsFiles {
@@ -166,9 +184,17 @@ fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
         admin_listen,
         admin_token,
         max_body,
+        body_timeout,
+        max_answer,
+        max_connections,
+        max_connections_per_ip,
         tls,
     }
 }
+
+/// Default `max_answer`: larger than any JSON answer of the APIs in front of which this proxy
+/// sits, small enough that a few hundred of them in flight fit in memory.
+pub const DEFAULT_MAX_ANSWER: usize = 10 << 20;
 
 /// Shortest `store.lease` accepted.
 const MIN_LEASE: Duration = Duration::from_millis(500);
@@ -201,10 +227,32 @@ fn store(cx: &mut Ctx, raw: &RawStore) -> StoreConfig {
         let span = raw.lease.as_ref().map(|l| l.span()).unwrap_or(0..0);
         cx.err(span, format!("store.lease must be at least {MIN_LEASE:?}"));
     }
+    let scope_secret = raw
+        .scope_secret
+        .as_ref()
+        .and_then(|s| cx.s(s))
+        .filter(|s| !s.is_empty());
+    match &scope_secret {
+        Some(s) if s.len() < 16 => {
+            let span = raw.scope_secret.as_ref().map(|s| s.span()).unwrap_or(0..0);
+            cx.err(span, "store.scope_secret must be at least 16 characters (e.g. `openssl rand -base64 32`)");
+        }
+        None if !url.starts_with("sqlite:") => {
+            let span = raw.url.as_ref().map(|u| u.span()).unwrap_or(0..0);
+            cx.err(
+                span,
+                "store.scope_secret is required with PostgreSQL: it keys the credential hashes, \
+                 must be the same on every replica and must not be kept in the database \
+                 (e.g. scope_secret = \"${IDEMPROXY_SCOPE_SECRET}\")",
+            );
+        }
+        _ => {}
+    }
     StoreConfig {
         url,
         retention: cx.dur(&raw.retention, Duration::from_secs(86_400)),
         lease,
+        scope_secret,
     }
 }
 
@@ -219,10 +267,11 @@ fn upstreams(
     for (name, sp) in raw {
         let u = sp.get_ref();
         let Some(url) = cx.s(&u.url) else { continue };
+        let shown = redact_url(&url);
         let uri: http::Uri = match url.parse() {
             Ok(uri) => uri,
             Err(e) => {
-                cx.err(u.url.span(), format!("upstream url {url:?}: {e}"));
+                cx.err(u.url.span(), format!("upstream url {shown:?}: {e}"));
                 continue;
             }
         };
@@ -230,19 +279,20 @@ fn upstreams(
         else {
             cx.err(
                 u.url.span(),
-                format!("upstream url {url:?} needs http:// or https:// and a host"),
+                format!("upstream url {shown:?} needs http:// or https:// and a host"),
             );
             continue;
         };
         if scheme != http::uri::Scheme::HTTP && scheme != http::uri::Scheme::HTTPS {
             cx.err(
                 u.url.span(),
-                format!("upstream url {url:?}: scheme must be http or https"),
+                format!("upstream url {shown:?}: scheme must be http or https"),
             );
         }
         if uri.query().is_some() {
             cx.err(u.url.span(), "upstream url must not have a query");
         }
+        let (authority, url_credentials) = split_credentials(authority);
         let prefix = u.prefix.as_ref().and_then(|p| {
             let s = cx.s(p)?;
             let trimmed = s.trim_end_matches('/').to_owned();
@@ -331,6 +381,16 @@ fn upstreams(
                 .flatten()
                 .filter_map(|h| cx.header(h))
                 .collect(),
+            share_entities: u.share_entities.unwrap_or(false),
+            store_set_cookie: u.store_set_cookie.unwrap_or(false),
+            max_answer: match &u.max_answer {
+                None => server.max_answer,
+                Some(v) => cx
+                    .s(v)
+                    .and_then(|s| parse_size(&s).map_err(|e| cx.err(v.span(), e)).ok())
+                    .unwrap_or(server.max_answer),
+            },
+            url_credentials,
             routes: routes
                 .iter()
                 .filter(|r| &r.upstream == name)
@@ -340,6 +400,34 @@ fn upstreams(
         }));
     }
     out
+}
+
+/// Moves `user:password@` out of an upstream authority into a Basic `Authorization` value, so
+/// the password is never sent as part of `Host`, printed by `check` or logged.
+fn split_credentials(
+    authority: http::uri::Authority,
+) -> (http::uri::Authority, Option<http::HeaderValue>) {
+    let Some((userinfo, host)) = authority.as_str().rsplit_once('@') else {
+        return (authority, None);
+    };
+    let Ok(bare) = host.parse::<http::uri::Authority>() else {
+        return (authority, None);
+    };
+    let decode = |s: &str| percent_encoding::percent_decode_str(s).collect::<Vec<u8>>();
+    let (user, pass) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+    let mut plain = decode(user);
+    plain.push(b':');
+    plain.extend(decode(pass));
+    use base64::Engine as _;
+    let value = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(&plain)
+    );
+    let mut header = http::HeaderValue::from_str(&value).ok();
+    if let Some(h) = header.as_mut() {
+        h.set_sensitive(true);
+    }
+    (bare, header)
 }
 
 #[cfg(test)]

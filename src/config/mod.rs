@@ -39,6 +39,16 @@ pub struct ServerConfig {
     /// `None` when empty: the admin API is then open to whoever reaches `admin_listen`.
     pub admin_token: Option<String>,
     pub max_body: usize,
+    /// How long a client may take to send a buffered request body, from its head on: a
+    /// client that trickles bytes must not hold a connection (and a request slot) forever.
+    pub body_timeout: Duration,
+    /// Default largest upstream answer that is buffered and stored (see [`Upstream::max_answer`]).
+    pub max_answer: usize,
+    /// Most connections served at once per listener.
+    pub max_connections: usize,
+    /// Most connections one peer address may hold per listener (0: no per-peer limit), so
+    /// one client cannot take every slot of [`ServerConfig::max_connections`].
+    pub max_connections_per_ip: usize,
     pub tls: Option<TlsFiles>,
 }
 
@@ -53,6 +63,10 @@ pub struct StoreConfig {
     pub url: String,
     pub retention: Duration,
     pub lease: Duration,
+    /// The secret that keys credential-scope hashes, so a copy of the database alone cannot
+    /// be used to test guesses at credentials. `None`: SQLite keeps a generated one in a
+    /// file of its own beside the database (see [`crate::key::ScopeKeyer`]).
+    pub scope_secret: Option<String>,
 }
 
 /// What to do with a mutating request that matches no route.
@@ -71,7 +85,8 @@ pub struct Upstream {
     /// Scheme and authority of the upstream.
     pub scheme: http::uri::Scheme,
     pub authority: http::uri::Authority,
-    /// The upstream URL's path, without trailing `/` (usually empty).
+    /// The upstream URL's path, without trailing `/` (usually empty). The authority never
+    /// holds credentials: they are moved to [`Upstream::url_credentials`].
     pub base_path: String,
     /// Main-listener prefix without trailing `/`, e.g. `/stripe`.
     pub prefix: Option<String>,
@@ -81,8 +96,21 @@ pub struct Upstream {
     pub release_statuses: Vec<u16>,
     pub unmatched: Unmatched,
     pub ca_file: Option<PathBuf>,
-    /// Headers that scope keys besides `Authorization`.
+    /// Headers that scope keys besides the common credential headers
+    /// ([`crate::key::CREDENTIAL_HEADERS`]).
     pub scope_headers: Vec<HeaderName>,
+    /// Entity locks, versions and claims shared by every credential (one account, several
+    /// tokens); by default each credential scope has its own.
+    pub share_entities: bool,
+    /// Store (and replay) `Set-Cookie` headers of answers; by default they reach only the
+    /// first caller.
+    pub store_set_cookie: bool,
+    /// Largest answer buffered and stored; a larger one streams to its first caller and its
+    /// key is kept as completed without a body (retries get `409 answer_too_large`).
+    pub max_answer: usize,
+    /// `Authorization: Basic ...` from credentials in the upstream URL (`http://user:pw@host`),
+    /// sent when the caller sends no `Authorization`. Never printed.
+    pub url_credentials: Option<http::HeaderValue>,
     /// This upstream's routes, in file order.
     pub routes: Vec<Arc<Route>>,
     /// The rule for mutating requests that match no route when `unmatched = "protect"`:

@@ -29,6 +29,10 @@ pub struct RawServer {
     pub admin_listen: Option<Str>,
     pub admin_token: Option<Str>,
     pub max_body: Option<Str>,
+    pub body_timeout: Option<Str>,
+    pub max_answer: Option<Str>,
+    pub max_connections: Option<Spanned<i64>>,
+    pub max_connections_per_ip: Option<Spanned<i64>>,
     pub tls: Option<Spanned<RawTls>>,
 }
 
@@ -45,6 +49,7 @@ pub struct RawStore {
     pub url: Option<Str>,
     pub retention: Option<Str>,
     pub lease: Option<Str>,
+    pub scope_secret: Option<Str>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -59,6 +64,9 @@ pub struct RawUpstream {
     pub unmatched: Option<Str>,
     pub ca_file: Option<Str>,
     pub scope_headers: Option<Vec<Str>>,
+    pub share_entities: Option<bool>,
+    pub store_set_cookie: Option<bool>,
+    pub max_answer: Option<Str>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -6,12 +6,13 @@ use super::{respond, store_error};
 use crate::audit::Trace;
 use crate::config::Route;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
-use crate::forward::{self, Outcome};
+use crate::forward::{self, Outcome, PrefixedBody};
 use crate::locks::LockGuard;
 use crate::proxy::AppState;
-use crate::store::{after_ms, Effects, Finish, KeyRecord, Reservation, Reserved};
+use crate::store::{after_ms, Effects, Finish, KeyRecord, Reservation, Reserved, OMITTED_BODY};
 use crate::upstream::{ProxyBody, UpstreamClient};
 use http::{Request, Response};
+use http_body_util::BodyExt;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -35,6 +36,13 @@ pub(super) struct Job {
     /// and the entity locks.
     pub(super) slot: Option<LockGuard>,
     pub(super) entity_guards: Vec<LockGuard>,
+}
+
+/// The first caller's answer.
+enum Answer {
+    Full(Arc<crate::store::StoredResponse>),
+    /// Over `max_answer`: the head, and the body streamed through.
+    Streamed(Arc<crate::store::StoredResponse>, PrefixedBody),
 }
 
 /// How a job ended.
@@ -100,34 +108,55 @@ impl Job {
         };
         let status = match &outcome {
             Outcome::Answer(resp) => Some(resp.status),
+            Outcome::Oversize { head, .. } => Some(head.status),
             _ => None,
         };
         let decision = match &outcome {
             Outcome::Answer(resp) if up.release_statuses.contains(&resp.status) => "released",
-            Outcome::Answer(_) => "forwarded",
+            Outcome::Answer(_) | Outcome::Oversize { .. } => "forwarded",
             Outcome::NotSent(_) => ErrorKind::UpstreamUnreachable.as_str(),
             Outcome::Unknown(_) => "unknown",
         };
-        let mut cache_until = None;
+        let retention = self
+            .route
+            .retention
+            .unwrap_or(self.state.config.store.retention);
+        let mut cache = None;
         let (finish, answer) = match outcome {
             Outcome::Answer(resp) if up.release_statuses.contains(&resp.status) => {
-                (Finish::Released, Ok(Arc::new(resp)))
+                (Finish::Released, Ok(Answer::Full(Arc::new(resp))))
             }
             Outcome::Answer(resp) => {
                 let resp = Arc::new(resp);
-                let retention = self
-                    .route
-                    .retention
-                    .unwrap_or(self.state.config.store.retention);
+                let stored = resp.for_storage(up.store_set_cookie);
                 let expires_at = after_ms(retention);
-                cache_until = Some(expires_at);
+                cache = Some((stored.clone(), expires_at));
                 (
                     Finish::Completed {
-                        response: resp.clone(),
+                        response: stored,
                         expires_at,
                         effects: self.effects(resp.status),
                     },
-                    Ok(resp),
+                    Ok(Answer::Full(resp)),
+                )
+            }
+            Outcome::Oversize { head, prefix, rest } => {
+                // The write happened and its status is known: the key is completed, but only
+                // its head is stored, marked, so retries get `answer_too_large`, never a
+                // second forward.
+                let head = Arc::new(head);
+                let mut stored = (*head.for_storage(up.store_set_cookie)).clone();
+                stored
+                    .headers
+                    .push((OMITTED_BODY.into(), bytes::Bytes::from_static(b"1")));
+                tracing::warn!(key = %self.id.key, status = head.status, max_answer = up.max_answer, "the answer is over max_answer: streamed to its caller, not stored");
+                (
+                    Finish::Completed {
+                        response: Arc::new(stored),
+                        expires_at: after_ms(retention),
+                        effects: self.effects(head.status),
+                    },
+                    Ok(Answer::Streamed(head, PrefixedBody::new(prefix, rest))),
                 )
             }
             Outcome::NotSent(why) => (
@@ -148,10 +177,10 @@ impl Job {
         match self.state.store.finish(&self.id, self.epoch, finish).await {
             Ok(true) => {
                 // Stored: the next retry replays from memory.
-                if let (Some(expires_at), Ok(resp)) = (cache_until, &answer) {
+                if let Some((stored, expires_at)) = cache {
                     self.state
                         .cache
-                        .put(&self.id, &self.fingerprint, resp.clone(), expires_at);
+                        .put(&self.id, &self.fingerprint, stored, expires_at);
                 }
             }
             Ok(false) => {
@@ -169,7 +198,14 @@ impl Job {
             t.upstream_status = status;
             t.record(&self.state.auditor, decision);
         }
-        answer.map(|resp| respond(&resp, &self.id.key, false))
+        answer.map(|answer| match answer {
+            Answer::Full(resp) => respond(&resp, &self.id.key, false),
+            Answer::Streamed(head, body) => {
+                let mut resp = respond(&head, &self.id.key, false);
+                *resp.body_mut() = body.map_err(Into::into).boxed();
+                resp
+            }
+        })
     }
 
     /// The upstream call, renewing our lease every third of it while it runs.

@@ -86,7 +86,21 @@ async fn traced(
     let upstream = target.upstream;
     // Step 1: buffer the body once; evaluate key, fingerprint, entities, version.
     let (parts, body) = req.into_parts();
-    let body = read_body(body, &parts.headers, state.config.server.max_body).await?;
+    let server = &state.config.server;
+    let body = tokio::time::timeout(
+        server.body_timeout,
+        read_body(body, &parts.headers, server.max_body),
+    )
+    .await
+    .map_err(|_| {
+        ProxyError::new(
+            ErrorKind::BodyTimeout,
+            format!(
+                "the request body did not arrive within body_timeout ({:?})",
+                server.body_timeout
+            ),
+        )
+    })??;
     let input = Input {
         method: &parts.method,
         path: canonical,
@@ -95,7 +109,10 @@ async fn traced(
         body: &body,
         path_params: &params,
     };
-    let p = prepare::prepare(upstream, route, plan, &input)?;
+    let mut p = prepare::prepare(upstream, route, plan, &input, &state.scoper)?;
+    if state.legacy_scopes {
+        adopt_legacy_scope(state, upstream, &parts.headers, &mut p).await?;
+    }
     if let Some(t) = trace.as_mut() {
         t.key = Some(p.key.clone());
         t.fingerprint = Some(p.fingerprint.clone());
@@ -122,7 +139,7 @@ async fn protected(
     // of one key never queue behind each other — and, when cached, with no store read.
     if let Some(hit) = state.cache.get(&p.id) {
         if hit.fingerprint == p.fingerprint {
-            return Ok(replay(state, &hit.response, &p.key));
+            return replay(state, &hit.response, &p.key);
         }
         return Err(key_reused());
     }
@@ -135,7 +152,7 @@ async fn protected(
         if rec.effective_state(now_ms()) == KeyState::Completed {
             state.cache.put_record(rec);
             if let Decision::Replay(stored) = decide(Some(rec), p, upstream, route)? {
-                return Ok(replay(state, &stored, &p.key));
+                return replay(state, &stored, &p.key);
             }
         }
     }
@@ -172,7 +189,7 @@ async fn protected(
                 .map_err(|e| store_error(state, e))?;
         }
         let take_unknown = match decide(record.as_ref(), p, upstream, route)? {
-            Decision::Replay(stored) => return Ok(replay(state, &stored, &p.key)),
+            Decision::Replay(stored) => return replay(state, &stored, &p.key),
             Decision::Proceed { take_unknown } => take_unknown,
             Decision::WaitForeign(until) => {
                 wait_foreign(state, woken, until, deadline).await?;
@@ -244,7 +261,7 @@ async fn protected(
             } => {
                 (slot, *trace) = (s, t);
                 match decide(Some(&record), p, upstream, route)? {
-                    Decision::Replay(stored) => return Ok(replay(state, &stored, &p.key)),
+                    Decision::Replay(stored) => return replay(state, &stored, &p.key),
                     Decision::WaitForeign(until) => {
                         wait_foreign(state, woken, until, deadline).await?
                     }
@@ -258,6 +275,33 @@ async fn protected(
             }
         }
     }
+}
+
+/// A key stored by the first release has an unkeyed scope. When the keyed scope finds no
+/// record, the old scope's record, if there is one, is this request's: an upgrade must never
+/// make a stored key look new to its own caller's retry.
+async fn adopt_legacy_scope(
+    state: &AppState,
+    upstream: &Upstream,
+    headers: &HeaderMap,
+    p: &mut Prepared,
+) -> ProxyResult<()> {
+    if state.cache.get(&p.id).is_some() {
+        return Ok(());
+    }
+    let found = state.store.get(&p.id).await;
+    if found.map_err(|e| store_error(state, e))?.is_some() {
+        return Ok(());
+    }
+    let old = crate::store::ScopedKey {
+        scope: crate::key::legacy_scope(headers, &upstream.scope_headers),
+        ..p.id.clone()
+    };
+    let found = state.store.get(&old).await;
+    if found.map_err(|e| store_error(state, e))?.is_some() {
+        p.id = old;
+    }
+    Ok(())
 }
 
 /// The upstream request of a protected call, built once: hop-by-hop headers gone, the native
@@ -371,9 +415,24 @@ async fn wait_foreign(
     Ok(())
 }
 
-fn replay(state: &AppState, stored: &StoredResponse, key: &str) -> Response<ProxyBody> {
+fn replay(
+    state: &AppState,
+    stored: &StoredResponse,
+    key: &str,
+) -> ProxyResult<Response<ProxyBody>> {
+    if stored.body_omitted() {
+        return Err(ProxyError::new(
+            ErrorKind::AnswerTooLarge,
+            format!(
+                "the first request with this key was answered {} by the upstream, with a body over \
+                 max_answer that was not stored; it is not forwarded again and cannot be replayed",
+                stored.status
+            ),
+        )
+        .details(serde_json::json!({ "upstream_status": stored.status })));
+    }
     state.stats.on_replay();
-    respond(stored, key, true)
+    Ok(respond(stored, key, true))
 }
 
 /// A stored (or just received) answer, with the idempotency headers.

@@ -76,6 +76,38 @@ pub struct StoredResponse {
     pub body: Bytes,
 }
 
+/// Marks a stored answer whose body was over `max_answer` and was not stored. A name no
+/// upstream can send (`:` is not allowed in header names), so it cannot be forged.
+pub const OMITTED_BODY: &str = ":omitted-body";
+
+impl StoredResponse {
+    /// Whether the body was too large to store: such an answer is never replayed.
+    pub fn body_omitted(&self) -> bool {
+        self.headers.iter().any(|(n, _)| n == OMITTED_BODY)
+    }
+
+    /// This answer as stored: without `Set-Cookie` unless `keep_cookies` (a session cookie
+    /// replayed to a retry would hand out the first caller's session). Shared, not copied,
+    /// when there is nothing to drop.
+    pub fn for_storage(self: &std::sync::Arc<Self>, keep_cookies: bool) -> std::sync::Arc<Self> {
+        let cookie =
+            |n: &str| n.eq_ignore_ascii_case("set-cookie") || n.eq_ignore_ascii_case("set-cookie2");
+        if keep_cookies || !self.headers.iter().any(|(n, _)| cookie(n)) {
+            return self.clone();
+        }
+        std::sync::Arc::new(StoredResponse {
+            status: self.status,
+            headers: self
+                .headers
+                .iter()
+                .filter(|(n, _)| !cookie(n))
+                .cloned()
+                .collect(),
+            body: self.body.clone(),
+        })
+    }
+}
+
 /// A stored key.
 #[derive(Debug, Clone)]
 pub struct KeyRecord {
@@ -291,8 +323,21 @@ pub trait Store: Send + Sync + 'static {
     /// The stored state of these entities (those the store has never seen are left out).
     async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>>;
 
-    /// Operator release of an entity's claim; `false` when it had none.
+    /// Operator release of an entity's claim (and of the claims of its scoped variants, see
+    /// [`names_entity`]); `false` when none had one.
     async fn release_claim(&self, entity: &str) -> StoreResult<bool>;
+
+    /// Operator view: the state of `entity` and of its scoped variants ([`names_entity`]).
+    async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>>;
+
+    /// Operator reset: forgets the last accepted version of `entity` (and of its scoped
+    /// variants), so the next write with any version is accepted. Returns how many.
+    async fn reset_version(&self, entity: &str) -> StoreResult<u64>;
+
+    /// Records `id` (see [`crate::key::ScopeKeyer::id`]) as the id of the secret that keys
+    /// this store's credential scopes, unless one is recorded already; says which is recorded
+    /// and whether keys with first-release (unkeyed) scopes remain.
+    async fn scope_secret(&self, id: &str) -> StoreResult<ScopeCheck>;
 
     /// Appends audit rows (called in batches, off the request path).
     async fn append_audit(&self, rows: Vec<AuditRow>) -> StoreResult<()>;
@@ -323,6 +368,29 @@ pub trait Store: Send + Sync + 'static {
     /// Closes connections; pending writes are flushed first.
     async fn close(&self);
 }
+
+/// What the store knows about the secret that keys its credential scopes.
+#[derive(Debug, Clone)]
+pub struct ScopeCheck {
+    /// The id recorded in the store (the one just given, when none was).
+    pub recorded: String,
+    /// Keys stored by the first release, whose scope is a plain SHA-256: a request whose
+    /// keyed scope finds nothing also looks for these, so an upgrade never makes a stored
+    /// key look new to its own caller's retry.
+    pub legacy_keys: bool,
+}
+
+/// SQL (SQLite and PostgreSQL alike) that is true when column `col` is the entity named by
+/// parameter `param`, or that entity qualified with a credential scope (`name@scope`, see
+/// [`crate::key::entity_scope`]): how an operator names "this entity, for every caller".
+pub fn names_entity(col: &str, param: &str) -> String {
+    format!(
+        "({col} = {param} OR substr({col}, 1, length(CAST({param} AS TEXT)) + 1) = CAST({param} AS TEXT) || '@')"
+    )
+}
+
+/// SQL condition over `idem_keys.scope`: a scope written by the first release (unkeyed).
+pub const LEGACY_SCOPE: &str = "substr(scope, 1, 3) <> 'k1:'";
 
 /// Opens the store named by `url` and applies its migrations.
 pub async fn open(

@@ -446,8 +446,9 @@ impl Store for PgStore {
             "SELECT {COLUMNS} FROM idem_keys WHERE ($1::text IS NULL OR \
                (CASE WHEN state = 'in_flight' AND lease_until <= {NOW} THEN 'unknown' \
                      WHEN state = 'completed' AND expires_at < {NOW} THEN 'released' ELSE state END) = $1) \
-             AND ($2::text IS NULL OR entities @> jsonb_build_array($2::text)) \
-             ORDER BY updated_at DESC LIMIT $3"
+             AND ($2::text IS NULL OR EXISTS (SELECT 1 FROM jsonb_array_elements_text(entities) AS e(value) WHERE {})) \
+             ORDER BY updated_at DESC LIMIT $3",
+            names_entity("e.value", "$2")
         ))
         .bind(f.state.map(KeyState::as_str))
         .bind(f.entity.as_deref())
@@ -472,6 +473,25 @@ impl Store for PgStore {
         ordered::release_claim(&self.pool, entity).await
     }
 
+    async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>> {
+        let mut states = ordered::find_entities(&self.pool, entity).await?;
+        for s in &mut states {
+            s.updated_at = self.clock.to_local(s.updated_at);
+            if let Some(c) = &mut s.claim {
+                c.until = self.clock.to_local(c.until);
+            }
+        }
+        Ok(states)
+    }
+
+    async fn reset_version(&self, entity: &str) -> StoreResult<u64> {
+        ordered::reset_version(&self.pool, entity).await
+    }
+
+    async fn scope_secret(&self, id: &str) -> StoreResult<ScopeCheck> {
+        ordered::scope_secret(&self.pool, id).await
+    }
+
     async fn append_audit(&self, mut rows: Vec<AuditRow>) -> StoreResult<()> {
         // Purged against the database clock.
         for r in &mut rows {
@@ -481,13 +501,11 @@ impl Store for PgStore {
     }
 
     async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
-        ordered::audit_where(
-            &self.pool,
-            "entities @> jsonb_build_array($1::text)",
-            entity,
-            limit,
-        )
-        .await
+        let names = format!(
+            "EXISTS (SELECT 1 FROM jsonb_array_elements_text(entities) AS e(value) WHERE {})",
+            names_entity("e.value", "$1")
+        );
+        ordered::audit_where(&self.pool, &names, entity, limit).await
     }
 
     async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {

@@ -3,7 +3,9 @@
 use super::NOW;
 use crate::store::codec::encode_entities;
 use crate::store::rows::{self, AUDIT_COLUMNS_PG, ENTITY_COLUMNS};
-use crate::store::{AuditRow, Effects, EntityState, ScopedKey, StoreResult};
+use crate::store::{
+    names_entity, AuditRow, Effects, EntityState, ScopeCheck, ScopedKey, StoreResult, LEGACY_SCOPE,
+};
 use sqlx::{PgPool, Postgres, Transaction};
 
 /// Applies a 2xx write's effects, each fenced on our entity lease: a replica whose lease was
@@ -80,15 +82,59 @@ pub async fn entity_states(pool: &PgPool, entities: &[String]) -> StoreResult<Ve
     rows.iter().map(rows::entity_state).collect()
 }
 
+/// The operator's claim release: the entity and its scoped variants.
 pub async fn release_claim(pool: &PgPool, entity: &str) -> StoreResult<bool> {
     let res = sqlx::query(&format!(
         "UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL, \
-         updated_at = {NOW} WHERE entity = $1 AND claim_key IS NOT NULL"
+         updated_at = {NOW} WHERE {} AND claim_key IS NOT NULL",
+        names_entity("entity", "$1")
     ))
     .bind(entity)
     .execute(pool)
     .await?;
-    Ok(res.rows_affected() == 1)
+    Ok(res.rows_affected() > 0)
+}
+
+pub async fn find_entities(pool: &PgPool, entity: &str) -> StoreResult<Vec<EntityState>> {
+    let rows = sqlx::query(&format!(
+        "SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE {} ORDER BY entity LIMIT 100",
+        names_entity("entity", "$1")
+    ))
+    .bind(entity)
+    .fetch_all(pool)
+    .await?;
+    rows.iter().map(rows::entity_state).collect()
+}
+
+pub async fn reset_version(pool: &PgPool, entity: &str) -> StoreResult<u64> {
+    let res = sqlx::query(&format!(
+        "UPDATE idem_entities SET version = NULL, updated_at = {NOW} WHERE {} AND version IS NOT NULL",
+        names_entity("entity", "$1")
+    ))
+    .bind(entity)
+    .execute(pool)
+    .await?;
+    Ok(res.rows_affected())
+}
+
+pub async fn scope_secret(pool: &PgPool, id: &str) -> StoreResult<ScopeCheck> {
+    sqlx::query("INSERT INTO idem_meta (name, value) VALUES ('scope_secret_id', $1) ON CONFLICT (name) DO NOTHING")
+        .bind(id)
+        .execute(pool)
+        .await?;
+    let recorded: String =
+        sqlx::query_scalar("SELECT value FROM idem_meta WHERE name = 'scope_secret_id'")
+            .fetch_one(pool)
+            .await?;
+    let legacy_keys: bool = sqlx::query_scalar(&format!(
+        "SELECT EXISTS (SELECT 1 FROM idem_keys WHERE {LEGACY_SCOPE})"
+    ))
+    .fetch_one(pool)
+    .await?;
+    Ok(ScopeCheck {
+        recorded,
+        legacy_keys,
+    })
 }
 
 /// One multi-row insert for the whole batch.

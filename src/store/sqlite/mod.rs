@@ -45,6 +45,7 @@ impl SqliteStore {
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(5));
+        owner_only(opts.get_filename())?;
         let lock = if exclusive {
             Some(lock_file(opts.get_filename())?)
         } else {
@@ -75,6 +76,91 @@ impl SqliteStore {
     }
 }
 
+/// Files that hold stored answers (customer data) are readable by their owner only: the
+/// database is created `0600` before SQLite opens it (its WAL and shared-memory files take
+/// the database's mode), and files left `0644` by an earlier release are tightened.
+fn owner_only(db: &std::path::Path) -> StoreResult<()> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+        if db.as_os_str().is_empty() || db.as_os_str() == ":memory:" {
+            return Ok(());
+        }
+        if let Err(e) = std::fs::OpenOptions::new()
+            .create_new(true)
+            .write(true)
+            .mode(0o600)
+            .open(db)
+        {
+            if e.kind() != std::io::ErrorKind::AlreadyExists {
+                return Err(StoreError(format!("cannot create {}: {e}", db.display())));
+            }
+        }
+        for suffix in ["", "-wal", "-shm", ".lock"] {
+            let mut path = db.as_os_str().to_owned();
+            path.push(suffix);
+            let path = std::path::PathBuf::from(path);
+            if let Ok(meta) = std::fs::metadata(&path) {
+                if meta.permissions().mode() & 0o077 != 0 {
+                    let _ = std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The scope secret of a SQLite store whose config names none: 32 random bytes kept in
+/// `<db>.secret` (`0600`), generated on first start. A file of its own, so a copy of the
+/// database alone does not carry it; losing it makes every stored key look new, so back it
+/// up with the database.
+pub fn default_scope_secret(url: &str) -> StoreResult<Vec<u8>> {
+    let path = secret_path(url)?;
+    match std::fs::read_to_string(&path) {
+        Ok(text) if text.trim().len() >= 32 => return Ok(text.trim().as_bytes().to_vec()),
+        Ok(_) => {
+            return Err(StoreError(format!(
+                "{} holds no usable secret (delete it only if the database is new)",
+                path.display()
+            )))
+        }
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(StoreError(format!("cannot read {}: {e}", path.display())))
+        }
+        Err(_) => {}
+    }
+    let mut bytes = [0u8; 32];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
+        .map_err(|_| StoreError("no system randomness for the scope secret".into()))?;
+    let secret = hex::encode(bytes);
+    let mut open = std::fs::OpenOptions::new();
+    open.create_new(true).write(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut open, 0o600);
+    let written = open.open(&path).and_then(|mut f| {
+        use std::io::Write;
+        f.write_all(secret.as_bytes())?;
+        f.sync_all()
+    });
+    written.map_err(|e| StoreError(format!("cannot create {}: {e}", path.display())))?;
+    Ok(secret.into_bytes())
+}
+
+fn secret_path(url: &str) -> StoreResult<std::path::PathBuf> {
+    let opts = SqliteConnectOptions::from_str(url)?;
+    let mut path = opts.get_filename().as_os_str().to_owned();
+    path.push(".secret");
+    Ok(path.into())
+}
+
+/// The generated scope secret, if the store has one already (never creates it): what
+/// `explain` keys scopes with, to show what the proxy stores.
+pub fn existing_scope_secret(url: &str) -> Option<Vec<u8>> {
+    let text = std::fs::read_to_string(secret_path(url).ok()?).ok()?;
+    let text = text.trim();
+    (text.len() >= 32).then(|| text.as_bytes().to_vec())
+}
+
 fn lock_path(db: &std::path::Path) -> std::path::PathBuf {
     let mut path = db.as_os_str().to_owned();
     path.push(".lock");
@@ -96,10 +182,11 @@ pub fn running_admin(url: &str) -> Option<std::net::SocketAddr> {
 
 fn lock_file(db: &std::path::Path) -> StoreResult<std::fs::File> {
     let path = lock_path(db);
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
+    let mut open = std::fs::OpenOptions::new();
+    open.create(true).truncate(false).write(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut open, 0o600);
+    let file = open
         .open(&path)
         .map_err(|e| StoreError(format!("cannot open {}: {e}", path.display())))?;
     file.try_lock().map_err(|_| {
@@ -180,8 +267,9 @@ impl Store for SqliteStore {
     async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
         let rows = sqlx::query(&format!(
             "SELECT {KEY_COLUMNS} FROM idem_keys WHERE (?1 IS NULL OR {EFFECTIVE_STATE} = ?1) \
-             AND (?2 IS NULL OR EXISTS (SELECT 1 FROM json_each(idem_keys.entities) WHERE value = ?2)) \
-             ORDER BY updated_at DESC LIMIT ?3"
+             AND (?2 IS NULL OR EXISTS (SELECT 1 FROM json_each(idem_keys.entities) WHERE {})) \
+             ORDER BY updated_at DESC LIMIT ?3",
+            names_entity("value", "?2")
         ))
         .bind(f.state.map(KeyState::as_str))
         .bind(f.entity.as_deref())
@@ -206,8 +294,35 @@ impl Store for SqliteStore {
         let entity = entity.to_owned();
         self.writer
             .write(move |c, now| {
-                Box::pin(async move { writes::release_claim(c, &entity, now).await })
+                Box::pin(async move { writes::release_claims(c, &entity, now).await })
             })
+            .await
+    }
+
+    async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE {} ORDER BY entity LIMIT 100",
+            names_entity("entity", "?1")
+        ))
+        .bind(entity)
+        .fetch_all(&self.reads)
+        .await?;
+        rows.iter().map(rows::entity_state).collect()
+    }
+
+    async fn reset_version(&self, entity: &str) -> StoreResult<u64> {
+        let entity = entity.to_owned();
+        self.writer
+            .write(move |c, now| {
+                Box::pin(async move { writes::reset_version(c, &entity, now).await })
+            })
+            .await
+    }
+
+    async fn scope_secret(&self, id: &str) -> StoreResult<ScopeCheck> {
+        let id = id.to_owned();
+        self.writer
+            .write(move |c, _now| Box::pin(async move { writes::scope_secret(c, &id).await }))
             .await
     }
 
@@ -218,7 +333,8 @@ impl Store for SqliteStore {
     async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
         let rows = sqlx::query(&format!(
             "SELECT {AUDIT_COLUMNS} FROM idem_audit \
-             WHERE EXISTS (SELECT 1 FROM json_each(idem_audit.entities) WHERE value = ?) ORDER BY id DESC LIMIT ?"
+             WHERE EXISTS (SELECT 1 FROM json_each(idem_audit.entities) WHERE {}) ORDER BY id DESC LIMIT ?2",
+            names_entity("value", "?1")
         ))
         .bind(entity)
         .bind(limit)

@@ -2,7 +2,9 @@
 //! inside the writer's batch transaction, given the batch's clock `now` (ms).
 
 use crate::store::codec::encode_entities;
-use crate::store::{AuditRow, Effects, ScopedKey, StoreResult};
+use crate::store::{
+    names_entity, AuditRow, Effects, ScopeCheck, ScopedKey, StoreResult, LEGACY_SCOPE,
+};
 use sqlx::SqliteConnection;
 
 /// Version and claim changes of a 2xx write. SQLite serves one process, whose in-process
@@ -59,13 +61,67 @@ pub async fn release_claim(
 ) -> StoreResult<bool> {
     let res = sqlx::query(
         "UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL, \
-         updated_at = ? WHERE entity = ? AND claim_key IS NOT NULL",
+         updated_at = ?2 WHERE entity = ?1 AND claim_key IS NOT NULL",
     )
-    .bind(now)
     .bind(entity)
+    .bind(now)
     .execute(&mut *conn)
     .await?;
     Ok(res.rows_affected() == 1)
+}
+
+/// The operator's claim release: the entity and its scoped variants.
+pub async fn release_claims(
+    conn: &mut SqliteConnection,
+    entity: &str,
+    now: i64,
+) -> StoreResult<bool> {
+    let res = sqlx::query(&format!(
+        "UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL, \
+         updated_at = ?2 WHERE {} AND claim_key IS NOT NULL",
+        names_entity("entity", "?1")
+    ))
+    .bind(entity)
+    .bind(now)
+    .execute(&mut *conn)
+    .await?;
+    Ok(res.rows_affected() > 0)
+}
+
+pub async fn reset_version(
+    conn: &mut SqliteConnection,
+    entity: &str,
+    now: i64,
+) -> StoreResult<u64> {
+    let res = sqlx::query(&format!(
+        "UPDATE idem_entities SET version = NULL, updated_at = ?2 WHERE {} AND version IS NOT NULL",
+        names_entity("entity", "?1")
+    ))
+    .bind(entity)
+    .bind(now)
+    .execute(&mut *conn)
+    .await?;
+    Ok(res.rows_affected())
+}
+
+pub async fn scope_secret(conn: &mut SqliteConnection, id: &str) -> StoreResult<ScopeCheck> {
+    sqlx::query("INSERT INTO idem_meta (name, value) VALUES ('scope_secret_id', ?1) ON CONFLICT (name) DO NOTHING")
+        .bind(id)
+        .execute(&mut *conn)
+        .await?;
+    let recorded: String =
+        sqlx::query_scalar("SELECT value FROM idem_meta WHERE name = 'scope_secret_id'")
+            .fetch_one(&mut *conn)
+            .await?;
+    let legacy_keys: bool = sqlx::query_scalar(&format!(
+        "SELECT EXISTS (SELECT 1 FROM idem_keys WHERE {LEGACY_SCOPE})"
+    ))
+    .fetch_one(&mut *conn)
+    .await?;
+    Ok(ScopeCheck {
+        recorded,
+        legacy_keys,
+    })
 }
 
 pub async fn renew(
