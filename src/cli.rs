@@ -131,8 +131,8 @@ fn check(config: &Config) -> anyhow::Result<()> {
     for u in &config.upstreams {
         let at = u.prefix.as_deref().unwrap_or("-");
         println!(
-            "upstream {}: {}://{}{} prefix={at} unmatched={:?}",
-            u.name, u.scheme, u.authority, u.base_path, u.unmatched
+            "upstream {}: {}://{}{} prefix={at} unmatched={:?} error_format={:?}",
+            u.name, u.scheme, u.authority, u.base_path, u.unmatched, u.error_format
         );
     }
     for r in &config.routes {

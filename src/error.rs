@@ -134,6 +134,8 @@ pub struct ProxyError {
     pub retry_after: Option<Duration>,
     /// Extra JSON fields for the error object (e.g. the current version on `stale_version`).
     pub details: Option<serde_json::Value>,
+    /// The body shape of the upstream's API, once the upstream is known.
+    pub format: crate::error_format::ErrorFormat,
 }
 
 /// Result type of the request path.
@@ -147,6 +149,7 @@ impl ProxyError {
             key: None,
             retry_after: None,
             details: None,
+            format: Default::default(),
         }
     }
 
@@ -157,6 +160,12 @@ impl ProxyError {
 
     pub fn retry_after(mut self, after: Duration) -> Self {
         self.retry_after = Some(after);
+        self
+    }
+
+    /// Answers in the shape of this upstream's API (see [`crate::error_format`]).
+    pub fn formatted(mut self, format: crate::error_format::ErrorFormat) -> Self {
+        self.format = format;
         self
     }
 

@@ -77,7 +77,7 @@ pub fn explain(
         Action::Protect(route, params, canonical) => (route, params, canonical),
     };
     let _ = writeln!(w, "route:       {}", route.summary());
-    let plan = match prepare::plan_key(&route, &hm) {
+    let plan = match prepare::plan_key(&upstream, &route, &hm) {
         Ok(KeyPlan::Unprotected) => {
             let _ = writeln!(
                 w,

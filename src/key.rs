@@ -85,6 +85,62 @@ fn hashed(s: &str) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(s.as_bytes())))
 }
 
+/// A pattern of client keys that an SDK generates on every call: `{uuid}` (8-4-4-4-12 hex, as
+/// stripe-python makes them) or a glob where `*` matches anything (`stripe-node-retry-*`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPattern {
+    Uuid,
+    Glob(Vec<String>),
+}
+
+impl KeyPattern {
+    pub fn parse(s: &str) -> Result<KeyPattern, String> {
+        if s == "{uuid}" {
+            return Ok(KeyPattern::Uuid);
+        }
+        if s.is_empty() || s.contains(['{', '}']) {
+            return Err(format!(
+                "sdk key pattern {s:?}: use {{uuid}} or a glob with * (e.g. \"stripe-node-retry-*\")"
+            ));
+        }
+        Ok(KeyPattern::Glob(s.split('*').map(str::to_owned).collect()))
+    }
+
+    pub fn matches(&self, key: &str) -> bool {
+        match self {
+            KeyPattern::Uuid => is_uuid(key),
+            KeyPattern::Glob(parts) => {
+                let (first, rest) = parts
+                    .split_first()
+                    .map_or(("", &[][..]), |(f, r)| (f.as_str(), r));
+                let Some(mut left) = key.strip_prefix(first) else {
+                    return false;
+                };
+                let Some((last, middle)) = rest.split_last() else {
+                    return left.is_empty();
+                };
+                for part in middle {
+                    match left.find(part.as_str()) {
+                        Some(i) => left = &left[i + part.len()..],
+                        None => return false,
+                    }
+                }
+                left.ends_with(last.as_str())
+            }
+        }
+    }
+}
+
+/// `xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, hex digits of either case.
+fn is_uuid(s: &str) -> bool {
+    let b = s.as_bytes();
+    b.len() == 36
+        && b.iter().enumerate().all(|(i, c)| match i {
+            8 | 13 | 18 | 23 => *c == b'-',
+            _ => c.is_ascii_hexdigit(),
+        })
+}
+
 /// What a fingerprint is computed over.
 pub struct Intent<'a> {
     pub method: &'a str,
@@ -417,6 +473,19 @@ mod tests {
             fp(br#"{"x":0.1000000000000000001}"#, BodyKind::Json, &[]),
             fp(br#"{"x":0.1}"#, BodyKind::Json, &[])
         );
+    }
+
+    #[test]
+    fn sdk_key_patterns() {
+        let node = KeyPattern::parse("stripe-node-retry-*").unwrap();
+        assert!(node.matches("stripe-node-retry-0b6d2f1e-8f44-4a3b-9a51-2f7c3d9e1a00"));
+        assert!(!node.matches("signup-42"));
+        let uuid = KeyPattern::parse("{uuid}").unwrap();
+        assert!(uuid.matches("0b6d2f1e-8f44-4a3b-9a51-2f7c3d9e1a00"));
+        assert!(!uuid.matches("order-0b6d2f1e-8f44-4a3b-9a51-2f7c3d9e1a00"));
+        let mid = KeyPattern::parse("a*b*c").unwrap();
+        assert!(mid.matches("abc") && mid.matches("a-b-c") && !mid.matches("acb"));
+        assert!(KeyPattern::parse("{x}").is_err());
     }
 
     #[test]

@@ -27,6 +27,8 @@
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
 //! - [`metrics`]: counters shared by the pipeline and the admin listener.
 //! - [`error`]: the one error type of the request path and its mapping to JSON responses.
+//! - [`error_format`]: the same errors in the shape of the API behind an upstream (Stripe,
+//!   HubSpot, Zendesk), so each SDK raises its own typed error.
 //! - [`logging`]: log lines and CLI output with control characters escaped (no forged
 //!   lines, no terminal escapes from request data).
 //! - [`cli`]: the `idemproxy` commands (`serve`, `check`, `explain`, `keys`, `migrate`).
@@ -41,6 +43,7 @@ pub mod checks;
 pub mod cli;
 pub mod config;
 pub mod error;
+pub mod error_format;
 pub mod explain;
 pub mod forward;
 pub mod key;

@@ -49,12 +49,17 @@ pub enum KeyPlan {
 
 /// Reads the client's key, if the route takes one: decided before the body is buffered so an
 /// unprotected request can still stream.
-pub fn plan_key(route: &Route, headers: &HeaderMap) -> ProxyResult<KeyPlan> {
+pub fn plan_key(upstream: &Upstream, route: &Route, headers: &HeaderMap) -> ProxyResult<KeyPlan> {
     if let Some(name) = &route.key.header {
         let found = key::header_key(headers, name)
             .map_err(|e| ProxyError::new(ErrorKind::KeyInvalid, e))?;
         if let Some(k) = found {
-            return Ok(KeyPlan::Header(k));
+            // An SDK's random per-call key says nothing about the intent: derive instead, so
+            // a workflow-level retry (a new SDK call, a new random key) meets the first answer.
+            let generated = upstream.sdk_keys.iter().any(|p| p.matches(&k));
+            if !(generated && route.key.derive.is_some()) {
+                return Ok(KeyPlan::Header(k));
+            }
         }
     }
     match (&route.key.derive, route.key.required) {

@@ -79,7 +79,7 @@ pub async fn handle(
         Ok(resp) => resp,
         Err(e) => {
             tracing::info!(%method, %path, error = %e, "request refused");
-            e.to_response()
+            e.to_response_as(e.format)
                 .map(|b| b.map_err(|never| match never {}).boxed())
         }
     }
@@ -110,12 +110,13 @@ async fn dispatch(
         path: rel,
         query: uri.query(),
     };
-    match action {
+    let result = match action {
         Action::Passthrough => passthrough(state, &target, req).await,
         Action::Protect(route, params, canonical) => {
             crate::pipeline::run(state, &route, params, &canonical, &target, req).await
         }
-    }
+    };
+    result.map_err(|e| e.formatted(upstream.error_format))
 }
 
 /// What the router decided for a request.
@@ -173,6 +174,8 @@ pub fn resolve<'p>(
         }
     }
     let action = match matched {
+        // A read sent as POST: streamed through like a GET, never keyed or locked.
+        Some((route, _)) if route.read_only => Action::Passthrough,
         Some((route, params)) => Action::Protect(route.clone(), params, canonical),
         None => match upstream.unmatched {
             Unmatched::Protect => {

@@ -382,6 +382,32 @@ fn upstreams(
                 .filter_map(|h| cx.header(h))
                 .collect(),
             share_entities: u.share_entities.unwrap_or(false),
+            error_format: match &u.error_format {
+                None => Default::default(),
+                Some(v) => cx
+                    .s(v)
+                    .and_then(|s| {
+                        crate::error_format::ErrorFormat::parse(&s).or_else(|| {
+                            cx.err(
+                                v.span(),
+                                format!("error_format = {s:?}: use idemproxy, stripe, hubspot or zendesk"),
+                            );
+                            None
+                        })
+                    })
+                    .unwrap_or_default(),
+            },
+            sdk_keys: u
+                .sdk_keys
+                .iter()
+                .flatten()
+                .filter_map(|p| {
+                    let s = cx.s(p)?;
+                    crate::key::KeyPattern::parse(&s)
+                        .map_err(|e| cx.err(p.span(), e))
+                        .ok()
+                })
+                .collect(),
             store_set_cookie: u.store_set_cookie.unwrap_or(false),
             max_answer: match &u.max_answer {
                 None => server.max_answer,

@@ -105,6 +105,12 @@ pub struct Upstream {
     /// Store (and replay) `Set-Cookie` headers of answers; by default they reach only the
     /// first caller.
     pub store_set_cookie: bool,
+    /// The shape of the proxy's own errors on this upstream (its API's, for its SDKs).
+    pub error_format: crate::error_format::ErrorFormat,
+    /// Client keys an SDK generates for every call (`stripe-node-retry-*`, `{uuid}`): they
+    /// only dedupe the SDK's own transport retries, so the route derives the key from the
+    /// intent instead, and a workflow-level retry (a new SDK call) meets the first answer.
+    pub sdk_keys: Vec<crate::key::KeyPattern>,
     /// Largest answer buffered and stored; a larger one streams to its first caller and its
     /// key is kept as completed without a body (retries get `409 answer_too_large`).
     pub max_answer: usize,
@@ -167,6 +173,9 @@ pub struct Route {
     pub retention: Option<Duration>,
     /// Some template or rule reads the body: it must parse.
     pub needs_body: bool,
+    /// A read sent as POST (a search, a batch read): never keyed, locked or recorded;
+    /// streamed through like a GET.
+    pub read_only: bool,
 }
 
 /// A store URL fit for logs and errors: the password, if any, is masked.
@@ -271,12 +280,22 @@ impl Route {
             precheck: None,
             retention: None,
             needs_body: false,
+            read_only: false,
         }
     }
 
     /// One line for `idemproxy check`.
     pub fn summary(&self) -> String {
         let methods: Vec<&str> = self.methods.iter().map(|m| m.as_str()).collect();
+        if self.read_only {
+            return format!(
+                "{}: upstream={} methods={} path={} read_only (streamed; never keyed, locked or replayed)",
+                self.name,
+                self.upstream,
+                methods.join(","),
+                self.path_text
+            );
+        }
         let key = match (&self.key.header, &self.key.derive) {
             (Some(h), Some(d)) => format!("header {h}, else derive {}", d.text()),
             (Some(h), None) => format!("header {h}"),

@@ -65,6 +65,8 @@ pub struct RawUpstream {
     pub ca_file: Option<Str>,
     pub scope_headers: Option<Vec<Str>>,
     pub share_entities: Option<bool>,
+    pub error_format: Option<Str>,
+    pub sdk_keys: Option<Vec<Str>>,
     pub store_set_cookie: Option<bool>,
     pub max_answer: Option<Str>,
 }
@@ -87,6 +89,7 @@ pub struct RawRoute {
     pub release_claim: Option<bool>,
     pub precheck: Option<Spanned<RawPrecheck>>,
     pub retention: Option<Str>,
+    pub read_only: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -190,6 +190,20 @@ pub(super) fn route(
             .as_ref()
             .is_some_and(|p| p.path.uses(|s| matches!(s, Source::Body(_))))
         || !fingerprint.ignore.is_empty();
+    let read_only = r.read_only.unwrap_or(false);
+    if read_only
+        && (entity.is_some()
+            || version.is_some()
+            || claim
+            || release_claim
+            || precheck.is_some()
+            || r.key.is_some())
+    {
+        cx.err(
+            sp.span(),
+            format!("route {name:?}: a read_only route is never keyed or locked: it takes no key, entity, version, claim or precheck"),
+        );
+    }
     if cx.errors.len() > errors_before {
         return None;
     }
@@ -215,6 +229,7 @@ pub(super) fn route(
         precheck,
         retention,
         needs_body,
+        read_only,
     })
 }
 

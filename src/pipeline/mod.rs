@@ -47,7 +47,7 @@ pub async fn run(
     req: Request<Incoming>,
 ) -> ProxyResult<Response<ProxyBody>> {
     let upstream = target.upstream;
-    let plan = match prepare::plan_key(route, req.headers()) {
+    let plan = match prepare::plan_key(upstream, route, req.headers()) {
         Ok(KeyPlan::Unprotected) => return proxy::passthrough(state, target, req).await,
         other => other,
     };
@@ -451,9 +451,18 @@ fn respond(stored: &StoredResponse, key: &str, replayed: bool) -> Response<Proxy
     if let Ok(v) = HeaderValue::from_str(key) {
         h.insert("idempotency-key", v);
     }
+    // An upstream that replayed on its own (Stripe, after a re-forward with the same key)
+    // said so: that stays true.
+    let upstream_replayed = h
+        .get("idempotent-replayed")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
     h.insert(
         "idempotent-replayed",
-        HeaderValue::from_static(if replayed { "true" } else { "false" }),
+        HeaderValue::from_static(if replayed || upstream_replayed {
+            "true"
+        } else {
+            "false"
+        }),
     );
     resp
 }
