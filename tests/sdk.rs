@@ -249,6 +249,75 @@ async fn stripe_python_through_the_shipped_config() {
     assert_eq!(api.count(), before, "nothing forwarded");
 }
 
+fn node_stripe() -> bool {
+    available(
+        "stripe-node 23.1.0 in tests/sdk/node",
+        std::process::Command::new("node")
+            .current_dir(sdk_dir().join("node"))
+            .args([
+                "-e",
+                "if (require('stripe/package.json').version !== '23.1.0') process.exit(1)",
+            ]),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stripe_node_through_the_shipped_config() {
+    if !node_stripe() {
+        return;
+    }
+    let (api, state) = fake_stripe().await;
+    let dir = TestDir::new();
+    let config = dir.path().join("shipped.toml");
+    std::fs::copy(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("proxy.toml"),
+        &config,
+    )
+    .expect("copy the shipped proxy.toml");
+    let (url, store) = (api.url(), dir.db_url());
+    let proxy = ProxyProcess::spawn_with_env(
+        &config,
+        &[
+            ("STRIPE_API_URL", url.as_str()),
+            ("IDEMPROXY_STORE_URL", store.as_str()),
+            ("IDEMPROXY_LISTEN", "127.0.0.1:0"),
+            ("IDEMPROXY_ADMIN_LISTEN", "127.0.0.1:0"),
+            ("IDEMPROXY_STRIPE_LISTEN", "127.0.0.1:0"),
+        ],
+    )
+    .await;
+    let stripe = proxy
+        .listeners()
+        .other
+        .first()
+        .map(|(_, a)| *a)
+        .expect("the Stripe listener");
+    let (host, port) = (stripe.ip().to_string(), stripe.port().to_string());
+    let script = sdk_dir().join("node/stripe_node.js");
+
+    let out = run("node", &script, &[&host, &port, "same_intent"]).await;
+    assert_eq!(
+        out["ids"][0], out["ids"][1],
+        "same intent, one object: {out}"
+    );
+    assert_ne!(out["ids"][0], out["ids"][2], "{out}");
+    assert_eq!(created(&state), 2);
+    let keys: Vec<_> = api
+        .requests()
+        .iter()
+        .map(|r| r.header("idempotency-key").unwrap_or_default().to_owned())
+        .collect();
+    assert!(
+        keys.iter().all(|k| !k.starts_with("stripe-node-retry-")),
+        "the proxy's derived key goes to Stripe: {keys:?}"
+    );
+
+    let out = run("node", &script, &[&host, &port, "deliberate_key"]).await;
+    assert_eq!(out["reused"]["type"], "StripeIdempotencyError", "{out}");
+    assert_eq!(out["reused"]["code"], "key_reused", "{out}");
+    assert_eq!(created(&state), 3, "the reused key was never forwarded");
+}
+
 /// A fake HubSpot: contacts created, updated (held when `X-Test-Hold` is sent), searched and
 /// batch-read from the current state.
 async fn fake_hubspot() -> RecordingUpstream {

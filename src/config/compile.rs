@@ -309,7 +309,12 @@ fn upstreams(
             prefixes.push(trimmed.clone());
             Some(trimmed)
         });
-        let listen = u.listen.as_ref().and_then(|l| cx.addr(l));
+        // `""` (e.g. an unset `${VAR:-}`) means no dedicated listener.
+        let listen = u
+            .listen
+            .as_ref()
+            .filter(|l| cx.s(l).is_some_and(|s| !s.is_empty()))
+            .and_then(|l| cx.addr(l));
         if prefix.is_none() && listen.is_none() && u.prefix.is_none() {
             cx.err(
                 sp.span(),
