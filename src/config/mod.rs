@@ -289,7 +289,7 @@ impl Route {
         let methods: Vec<&str> = self.methods.iter().map(|m| m.as_str()).collect();
         if self.read_only {
             return format!(
-                "{}: upstream={} methods={} path={} read_only (streamed; never keyed, locked or replayed)",
+                "{}: upstream={} methods={} path={} key=none read_only (streamed; never keyed, locked or replayed)",
                 self.name,
                 self.upstream,
                 methods.join(","),
