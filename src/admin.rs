@@ -2,7 +2,7 @@
 //! Never reachable from the main listener (it is a different socket).
 
 use crate::error::{ErrorKind, ProxyError};
-use crate::proxy::AppState;
+use crate::state::AppState;
 use crate::store::{now_ms, AuditRow, KeyRecord, Store, StoreResult};
 use crate::upstream::{full, ProxyBody};
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};

@@ -3,9 +3,9 @@
 
 use crate::config::{Precheck, Route};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
-use crate::forward::describe;
 use crate::prepare::Prepared;
 use crate::store::{now_ms, EntityState, Store};
+use crate::upstream::describe;
 use crate::upstream::{full, UpstreamClient};
 use http::{HeaderMap, Request};
 use http_body_util::{BodyExt, Limited};

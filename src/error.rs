@@ -123,6 +123,33 @@ impl ErrorKind {
     }
 }
 
+/// Which API's error body the proxy imitates for an upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ErrorFormat {
+    /// SPEC.md's `{"error": {"type", "message", "key"}}`.
+    #[default]
+    Idemproxy,
+    /// `{"error": {"type", "code", "message"}}`, statuses the Stripe SDKs map to typed errors,
+    /// and `Stripe-Should-Retry`.
+    Stripe,
+    /// `{"status": "error", "message", "category", "subCategory", "correlationId"}`.
+    Hubspot,
+    /// `{"error": "<type>", "description": "<message>", "details": {...}}`.
+    Zendesk,
+}
+
+impl ErrorFormat {
+    pub fn parse(s: &str) -> Option<ErrorFormat> {
+        Some(match s {
+            "idemproxy" => ErrorFormat::Idemproxy,
+            "stripe" => ErrorFormat::Stripe,
+            "hubspot" => ErrorFormat::Hubspot,
+            "zendesk" => ErrorFormat::Zendesk,
+            _ => return None,
+        })
+    }
+}
+
 /// An error answered by the proxy itself (never by the upstream).
 #[derive(Debug, Clone)]
 pub struct ProxyError {
@@ -135,7 +162,7 @@ pub struct ProxyError {
     /// Extra JSON fields for the error object (e.g. the current version on `stale_version`).
     pub details: Option<serde_json::Value>,
     /// The body shape of the upstream's API, once the upstream is known.
-    pub format: crate::error_format::ErrorFormat,
+    pub format: ErrorFormat,
 }
 
 /// Result type of the request path.
@@ -164,7 +191,7 @@ impl ProxyError {
     }
 
     /// Answers in the shape of this upstream's API (see [`crate::error_format`]).
-    pub fn formatted(mut self, format: crate::error_format::ErrorFormat) -> Self {
+    pub fn formatted(mut self, format: ErrorFormat) -> Self {
         self.format = format;
         self
     }

@@ -3,38 +3,11 @@
 //! whether a retry can help (`Stripe-Should-Retry`). The proxy's own type is always kept: in the
 //! body (`code`, `subCategory` or `error`) and in the `Idemproxy-Error` header.
 
-use crate::error::{ErrorKind, Origin, ProxyError};
+use crate::error::{ErrorFormat, ErrorKind, Origin, ProxyError};
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};
 use http_body_util::Full;
 use serde_json::{json, Value};
-
-/// Which API's error body the proxy imitates for an upstream.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum ErrorFormat {
-    /// SPEC.md's `{"error": {"type", "message", "key"}}`.
-    #[default]
-    Idemproxy,
-    /// `{"error": {"type", "code", "message"}}`, statuses the Stripe SDKs map to typed errors,
-    /// and `Stripe-Should-Retry`.
-    Stripe,
-    /// `{"status": "error", "message", "category", "subCategory", "correlationId"}`.
-    Hubspot,
-    /// `{"error": "<type>", "description": "<message>", "details": {...}}`.
-    Zendesk,
-}
-
-impl ErrorFormat {
-    pub fn parse(s: &str) -> Option<ErrorFormat> {
-        Some(match s {
-            "idemproxy" => ErrorFormat::Idemproxy,
-            "stripe" => ErrorFormat::Stripe,
-            "hubspot" => ErrorFormat::Hubspot,
-            "zendesk" => ErrorFormat::Zendesk,
-            _ => return None,
-        })
-    }
-}
 
 impl ProxyError {
     /// The error as the API behind `format` would shape it; the proxy's headers

@@ -1,9 +1,9 @@
 //! `idemproxy explain`: the pipeline's step 1 and the router, as a dry run — no network, no
-//! store. It runs the same code as the server ([`crate::proxy::resolve`], [`crate::prepare`]).
+//! store. It runs the same code as the server ([`crate::router::resolve`], [`crate::prepare`]).
 
 use crate::config::Config;
 use crate::prepare::{self, Input, KeyPlan, KeySource};
-use crate::proxy::{resolve, Action, Listener};
+use crate::router::{resolve, Action, Listener};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use std::fmt::Write;

@@ -7,15 +7,15 @@
 //!   optional inbound TLS, graceful shutdown.
 //! - [`accept`]: the accept loop under hostile load: connection limits per listener and per
 //!   peer, back-off when file descriptors run out, rate-limited logs.
-//! - [`proxy`]: the main-listener router: prefix → upstream, path safety, safe methods streamed
+//! - [`router`]: the main-listener router: prefix → upstream, path safety, safe methods streamed
 //!   through, route matching, `unmatched` policy.
+//! - [`state`]: the state every request shares (`AppState`).
 //! - [`pipeline`]: the protected-request pipeline, SPEC.md steps 1–7 as named steps of one
 //!   function: prepare, look up, lock, check, reserve, forward, store.
 //! - [`prepare`]: step 1 — body, key, fingerprint, entities, version (shared with `explain`).
 //! - [`checks`]: step 4 — claim, version fencing and precheck, inside the entity locks.
-//! - [`forward`]: the detached upstream call of a protected request and its outcome table.
-//! - [`upstream`]: the pooled upstream clients (rustls, per-upstream trust roots) and header
-//!   hygiene (hop-by-hop stripping, `Host`).
+//! - [`upstream`]: the upstream side: pooled clients (rustls, per-upstream trust roots), header
+//!   hygiene, the call of a protected request and its outcome table, passthrough streaming.
 //! - [`config`]: `proxy.toml`, parsed and validated into compiled types at load.
 //! - [`template`], [`body`], [`route`]: the little languages of routes — templates, body paths
 //!   and forms, path patterns.
@@ -45,16 +45,16 @@ pub mod config;
 pub mod error;
 pub mod error_format;
 pub mod explain;
-pub mod forward;
 pub mod key;
 pub mod locks;
 pub mod logging;
 pub mod metrics;
 pub mod pipeline;
 pub mod prepare;
-pub mod proxy;
 pub mod route;
+pub mod router;
 pub mod server;
+pub mod state;
 pub mod store;
 pub mod template;
 pub mod upstream;

@@ -6,7 +6,8 @@ use crate::audit::Auditor;
 use crate::config::Config;
 use crate::locks::LockTable;
 use crate::metrics::Stats;
-use crate::proxy::{self, AppState, Listener};
+use crate::router::{self, Listener};
+use crate::state::AppState;
 use crate::upstream::{ProxyBody, UpstreamClient};
 use anyhow::Context;
 use http::{Request, Response};
@@ -237,7 +238,7 @@ fn proxy_handler(state: &Arc<AppState>, listener: Listener) -> Handler {
     let state = state.clone();
     Arc::new(move |req| {
         let (state, listener) = (state.clone(), listener.clone());
-        Box::pin(async move { proxy::handle(state, listener, req).await })
+        Box::pin(async move { router::handle(state, listener, req).await })
     })
 }
 

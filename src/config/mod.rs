@@ -6,11 +6,13 @@
 //! `file:line:col: message`, all of them at once.
 
 pub(super) mod compile;
+mod ctx;
 pub mod raw;
 mod routes;
 pub mod units;
 
 use crate::body::BodyPath;
+pub use crate::key::FingerprintRule;
 use crate::route::PathPattern;
 use crate::template::Template;
 use http::{HeaderName, Method};
@@ -106,7 +108,7 @@ pub struct Upstream {
     /// first caller.
     pub store_set_cookie: bool,
     /// The shape of the proxy's own errors on this upstream (its API's, for its SDKs).
-    pub error_format: crate::error_format::ErrorFormat,
+    pub error_format: crate::error::ErrorFormat,
     /// Client keys an SDK generates for every call (`stripe-node-retry-*`, `{uuid}`): they
     /// only dedupe the SDK's own transport retries, so the route derives the key from the
     /// intent instead, and a workflow-level retry (a new SDK call) meets the first answer.
@@ -136,12 +138,6 @@ pub struct KeyRule {
     pub header: Option<HeaderName>,
     pub derive: Option<Template>,
     pub required: bool,
-}
-
-#[derive(Debug, Default)]
-pub struct FingerprintRule {
-    pub ignore: Vec<BodyPath>,
-    pub headers: Vec<HeaderName>,
 }
 
 #[derive(Debug)]

@@ -1,7 +1,7 @@
 //! Compiling one `[[routes]]` entry: methods, path pattern, templates checked against what the
 //! route can provide, key rule, fingerprint rule, ordered-persistence fields, precheck.
 
-use super::compile::Ctx;
+use super::ctx::Ctx;
 use super::raw::*;
 use super::*;
 use crate::template::Source;

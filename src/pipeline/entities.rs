@@ -5,7 +5,7 @@ use crate::config::Route;
 use crate::error::ProxyResult;
 use crate::locks::LockGuard;
 use crate::prepare::Prepared;
-use crate::proxy::AppState;
+use crate::state::AppState;
 use crate::store::{EntityLease, Store, StoreResult};
 use std::sync::Arc;
 use std::time::Duration;

@@ -6,10 +6,10 @@ use super::{respond, store_error};
 use crate::audit::Trace;
 use crate::config::Route;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
-use crate::forward::{self, Outcome, PrefixedBody};
 use crate::locks::LockGuard;
-use crate::proxy::AppState;
+use crate::state::AppState;
 use crate::store::{after_ms, Effects, Finish, KeyRecord, Reservation, Reserved, OMITTED_BODY};
+use crate::upstream::{call, Outcome, PrefixedBody};
 use crate::upstream::{ProxyBody, UpstreamClient};
 use http::{Request, Response};
 use http_body_util::BodyExt;
@@ -212,7 +212,7 @@ impl Job {
     async fn call_renewing(&self, req: Request<ProxyBody>) -> Outcome {
         let lease = self.state.config.store.lease;
         let every = (lease / 3).max(Duration::from_millis(100));
-        let call = forward::call(&self.client, req, self.client.upstream.timeout);
+        let call = call::call(&self.client, req, self.client.upstream.timeout);
         tokio::pin!(call);
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         loop {

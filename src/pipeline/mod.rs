@@ -1,6 +1,6 @@
 //! The protected-request pipeline: SPEC.md "Request handling" steps 1–7, in order, in one
 //! place. Each step is a named function returning a decision or an error; [`run`] strings them
-//! together with `?` and [`crate::proxy::handle`] turns errors into JSON answers. Step 3 lives in
+//! together with `?` and [`crate::router::handle`] turns errors into JSON answers. Step 3 lives in
 //! [`entities`], steps 6–7 (the detached forward) in [`job`].
 
 mod entities;
@@ -14,8 +14,9 @@ use crate::checks;
 use crate::config::{InFlight, Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::prepare::{self, Input, KeyPlan, Prepared};
-use crate::proxy::{self, AppState, Target};
+use crate::state::AppState;
 use crate::store::{now_ms, KeyRecord, KeyState, Reservation, StoredResponse};
+use crate::upstream::Target;
 use crate::upstream::{full, request_headers, ProxyBody};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode};
@@ -48,7 +49,7 @@ pub async fn run(
 ) -> ProxyResult<Response<ProxyBody>> {
     let upstream = target.upstream;
     let plan = match prepare::plan_key(upstream, route, req.headers()) {
-        Ok(KeyPlan::Unprotected) => return proxy::passthrough(state, target, req).await,
+        Ok(KeyPlan::Unprotected) => return crate::upstream::passthrough(state, target, req).await,
         other => other,
     };
     state.stats.on_protected();
@@ -133,7 +134,7 @@ async fn protected(
     trace: &mut Option<Trace>,
 ) -> ProxyResult<Response<ProxyBody>> {
     let upstream = target.upstream;
-    let client = proxy::client(state, upstream)?.clone();
+    let client = state.client(upstream)?.clone();
     let outgoing = Outgoing::new(&client, target, p, parts, body)?;
     // Step 2, fast path: a completed key replays at once, with no lock — concurrent replays
     // of one key never queue behind each other — and, when cached, with no store read.

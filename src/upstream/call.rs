@@ -2,8 +2,8 @@
 //! table). Never retried here: a re-forward is only safe when nothing was sent, and even then
 //! it is the client's retry that does it.
 
+use super::client::{strip_hop_by_hop, ProxyBody, UpstreamClient};
 use crate::store::StoredResponse;
-use crate::upstream::{strip_hop_by_hop, ProxyBody, UpstreamClient};
 use bytes::{Bytes, BytesMut};
 use http::{header, Request};
 use http_body_util::BodyExt;

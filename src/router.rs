@@ -5,41 +5,12 @@
 
 use crate::config::{Config, Route, Unmatched, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
-use crate::locks::LockTable;
-use crate::metrics::Stats;
-use crate::store::Store;
-use crate::upstream::{request_headers, strip_hop_by_hop, ProxyBody, UpstreamClient};
+use crate::state::AppState;
+use crate::upstream::{passthrough, ProxyBody, Target};
 use http::{Method, Request, Response, Version};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
-use std::collections::HashMap;
 use std::sync::Arc;
-use tokio_util::task::TaskTracker;
-
-/// Everything a request needs, shared by all connections (cheap `Arc` clones).
-pub struct AppState {
-    pub config: Arc<Config>,
-    pub store: Arc<dyn Store>,
-    pub clients: HashMap<String, Arc<UpstreamClient>>,
-    /// Local waiters for a scoped key queue here instead of hammering the store.
-    pub key_locks: LockTable,
-    /// One protected request per entity at the upstream (in this process).
-    pub entity_locks: LockTable,
-    pub stats: Arc<Stats>,
-    /// Detached upstream calls: shutdown waits for them to finish and be stored.
-    pub tracker: TaskTracker,
-    /// This process's identity as the owner of reservations.
-    pub owner: String,
-    /// Completed answers kept in memory for replays.
-    pub cache: Arc<crate::cache::ReplayCache>,
-    /// Where requests' audit rows go (written in batches off the request path).
-    pub auditor: crate::audit::Auditor,
-    /// Keys credential scopes with the store's scope secret.
-    pub scoper: crate::key::ScopeKeyer,
-    /// Keys stored by the first release (unkeyed scopes) may still be in the store: a look-up
-    /// that finds nothing under the keyed scope also tries the old one.
-    pub legacy_scopes: bool,
-}
 
 /// Which listener a request arrived on.
 #[derive(Clone)]
@@ -48,23 +19,6 @@ pub enum Listener {
     Main,
     /// A dedicated upstream listener: every path goes to this upstream as is.
     Upstream(Arc<Upstream>),
-}
-
-/// The upstream-side target of a request.
-pub struct Target<'a> {
-    pub upstream: &'a Arc<Upstream>,
-    /// Upstream-relative path (no query).
-    pub path: &'a str,
-    pub query: Option<&'a str>,
-}
-
-impl Target<'_> {
-    pub fn path_and_query(&self) -> String {
-        match self.query {
-            Some(q) => format!("{}?{q}", self.path),
-            None => self.path.to_owned(),
-        }
-    }
 }
 
 /// Answers one request; never fails, never panics on input.
@@ -223,65 +177,4 @@ fn find_upstream<'p>(config: &Config, path: &'p str) -> Option<(Arc<Upstream>, &
             _ => None,
         }
     })
-}
-
-/// The client of an upstream (always present: built for every upstream at start).
-pub fn client<'s>(
-    state: &'s AppState,
-    upstream: &Upstream,
-) -> ProxyResult<&'s Arc<UpstreamClient>> {
-    state.clients.get(&upstream.name).ok_or_else(|| {
-        ProxyError::new(
-            ErrorKind::UpstreamUnreachable,
-            format!("no client for upstream {}", upstream.name),
-        )
-    })
-}
-
-/// Streams a request through, unlocked and unrecorded.
-pub(crate) async fn passthrough(
-    state: &AppState,
-    target: &Target<'_>,
-    req: Request<Incoming>,
-) -> ProxyResult<Response<ProxyBody>> {
-    let client = client(state, target.upstream)?;
-    let (parts, body) = req.into_parts();
-    let uri = client.uri(&target.path_and_query()).map_err(|e| {
-        ProxyError::new(
-            ErrorKind::BadPath,
-            format!("cannot build the upstream URL: {e}"),
-        )
-    })?;
-    let mut out = Request::new(body.map_err(Into::into).boxed());
-    *out.method_mut() = parts.method;
-    *out.uri_mut() = uri;
-    *out.headers_mut() = request_headers(parts.headers);
-    let timeout = target.upstream.timeout;
-    let resp = match tokio::time::timeout(timeout, client.send(out)).await {
-        Ok(Ok(resp)) => resp,
-        Ok(Err(e)) if e.is_connect() => {
-            return Err(ProxyError::new(
-                ErrorKind::UpstreamUnreachable,
-                crate::forward::describe(&e),
-            ))
-        }
-        Ok(Err(e)) => {
-            return Err(ProxyError::new(
-                ErrorKind::UpstreamTimeout,
-                crate::forward::describe(&e),
-            ))
-        }
-        Err(_) => {
-            return Err(ProxyError::new(
-                ErrorKind::UpstreamTimeout,
-                format!("no answer within {timeout:?}"),
-            ))
-        }
-    };
-    let (mut parts, body) = resp.into_parts();
-    strip_hop_by_hop(&mut parts.headers);
-    Ok(Response::from_parts(
-        parts,
-        body.map_err(Into::into).boxed(),
-    ))
 }

@@ -1,0 +1,155 @@
+//! Credential scopes: which headers carry credentials, the keyed hash that scopes stored keys
+//! and entities, and the first release's unkeyed scope (read only, for upgrades).
+
+use http::{HeaderMap, HeaderName};
+use sha2::{Digest, Sha256};
+
+/// Headers that carry credentials in common APIs. Every one of them scopes keys (and, by
+/// default, entities), whatever the upstream's `scope_headers` add: a stored answer must never
+/// reach a caller with other credentials, wherever those credentials travel.
+pub const CREDENTIAL_HEADERS: [&str; 14] = [
+    "authorization",
+    "proxy-authorization",
+    "cookie",
+    "x-api-key",
+    "api-key",
+    "apikey",
+    "x-apikey",
+    "x-auth-token",
+    "x-access-token",
+    "x-api-token",
+    "x-amz-security-token",
+    "x-goog-api-key",
+    "private-token",
+    "ocp-apim-subscription-key",
+];
+
+/// Whether `name` (lowercase) is one of [`CREDENTIAL_HEADERS`] or `extra`.
+pub fn is_credential(name: &str, extra: &[HeaderName]) -> bool {
+    CREDENTIAL_HEADERS.contains(&name) || extra.iter().any(|h| h.as_str() == name)
+}
+
+/// The headers that carry a request's credentials: [`CREDENTIAL_HEADERS`], then `extra`
+/// (the upstream's `scope_headers`), each name once. Also what a precheck or reconcile read
+/// sends on the caller's behalf.
+pub fn credential_names(extra: &[HeaderName]) -> impl Iterator<Item = HeaderName> + '_ {
+    CREDENTIAL_HEADERS
+        .iter()
+        .map(|n| HeaderName::from_static(n))
+        .chain(
+            extra
+                .iter()
+                .filter(|h| !CREDENTIAL_HEADERS.contains(&h.as_str()))
+                .cloned(),
+        )
+}
+
+/// Hashes credential headers into a scope, keyed with a secret that is not kept in the
+/// store, so a copy of the database alone cannot be used to test guesses at credentials.
+pub struct ScopeKeyer {
+    key: ring::hmac::Key,
+}
+
+/// Scopes written by this release start with this, so old (unkeyed) ones can be told apart.
+pub const SCOPE_PREFIX: &str = "k1:";
+
+impl ScopeKeyer {
+    pub fn new(secret: &[u8]) -> ScopeKeyer {
+        ScopeKeyer {
+            key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret),
+        }
+    }
+
+    /// `k1:` + hex HMAC-SHA256 over every credential header of the request (name, length,
+    /// value), in a fixed order.
+    pub fn scope(&self, headers: &HeaderMap, scope_headers: &[HeaderName]) -> String {
+        let mut ctx = ring::hmac::Context::with_key(&self.key);
+        for name in credential_names(scope_headers) {
+            for v in headers.get_all(&name) {
+                ctx.update(name.as_str().as_bytes());
+                ctx.update(b":");
+                ctx.update(&(v.len() as u64).to_be_bytes());
+                ctx.update(v.as_bytes());
+            }
+        }
+        format!("{SCOPE_PREFIX}{}", hex::encode(ctx.sign().as_ref()))
+    }
+
+    /// A short, stable name for this secret (not the secret), so the store can tell that it
+    /// was started with another one.
+    pub fn id(&self) -> String {
+        let tag = ring::hmac::sign(&self.key, b"idemproxy scope secret id");
+        hex::encode(&tag.as_ref()[..8])
+    }
+}
+
+/// The first release's scope: plain SHA-256 of `Authorization` and the upstream's scope
+/// headers. Only read, to find keys stored before the upgrade (see the pipeline's look-up).
+pub fn legacy_scope(headers: &HeaderMap, scope_headers: &[HeaderName]) -> String {
+    let mut h = Sha256::new();
+    let names = std::iter::once(&http::header::AUTHORIZATION).chain(scope_headers);
+    for name in names {
+        for v in headers.get_all(name) {
+            h.update(name.as_str().as_bytes());
+            h.update(b":");
+            h.update((v.len() as u64).to_be_bytes());
+            h.update(v.as_bytes());
+        }
+    }
+    hex::encode(h.finalize())
+}
+
+/// The scope an entity name is qualified with, short enough to read: entity locks, versions
+/// and claims of one credential never touch another's (unless the upstream shares them).
+pub fn entity_scope(scope: &str) -> &str {
+    let hexed = scope.strip_prefix(SCOPE_PREFIX).unwrap_or(scope);
+    &hexed[..hexed.len().min(16)]
+}
+
+/// An entity name as its caller wrote it: `contact:42@0123456789abcdef` → `contact:42`. What
+/// error bodies show (the scope is the proxy's business).
+pub fn unqualified(entity: &str) -> &str {
+    match entity.rsplit_once('@') {
+        Some((name, scope))
+            if scope.len() == 16 && scope.bytes().all(|b| b.is_ascii_hexdigit()) =>
+        {
+            name
+        }
+        _ => entity,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::test_headers as hm;
+
+    #[test]
+    fn scope_depends_on_credentials() {
+        let k = ScopeKeyer::new(b"0123456789abcdef");
+        let sh = [HeaderName::from_static("stripe-account")];
+        let scope = |pairs: &[(&str, &str)]| k.scope(&hm(pairs), &sh);
+        let a = scope(&[("authorization", "Bearer a")]);
+        assert_ne!(a, scope(&[("authorization", "Bearer b")]));
+        assert_ne!(
+            a,
+            scope(&[("authorization", "Bearer a"), ("stripe-account", "acct_1")])
+        );
+        assert_eq!(a, scope(&[("authorization", "Bearer a"), ("x-other", "1")]));
+        // Every common credential header scopes, not only Authorization.
+        for name in CREDENTIAL_HEADERS {
+            assert_ne!(
+                scope(&[(name, "A")]),
+                scope(&[(name, "B")]),
+                "{name} must scope keys"
+            );
+        }
+        // Keyed: another secret, another scope; the plain SHA-256 of old is not it.
+        let other = ScopeKeyer::new(b"fedcba9876543210");
+        assert_ne!(a, other.scope(&hm(&[("authorization", "Bearer a")]), &sh));
+        assert_ne!(k.id(), other.id());
+        let legacy = legacy_scope(&hm(&[("authorization", "Bearer a")]), &sh);
+        assert!(!a.contains(&legacy));
+        assert!(a.starts_with(SCOPE_PREFIX));
+    }
+}
