@@ -1,14 +1,14 @@
 //! The audit trail and retention, both off the request path.
 //!
-//! A request's [`Trace`] becomes one audit row and one metrics update when it ends. Rows go to
+//! A request's context becomes one audit row when it ends (see `pipeline::Outcome`). Rows go to
 //! the [`Auditor`], a background task that writes them in batches (on SQLite they join the
 //! writer's group commit), so auditing adds no store round trip to a request. The
 //! [`retention`] task purges expired keys, claims and audit rows in small batches.
 
 use crate::metrics::Stats;
-use crate::store::{after_ms, now_ms, AuditRow, Store};
+use crate::store::{now_ms, AuditRow, Store};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
@@ -37,7 +37,8 @@ impl Auditor {
         (Auditor { tx, stats }, task)
     }
 
-    fn send(&self, row: AuditRow) {
+    /// Queues a row; a full queue drops it (counted), never slows the request down.
+    pub fn send(&self, row: AuditRow) {
         if self.tx.try_send(row).is_err() {
             self.stats.on_audit_dropped(1);
         }
@@ -73,96 +74,6 @@ async fn write_rows(
         }
         if stopping {
             return;
-        }
-    }
-}
-
-/// What one protected request did, filled in as it goes through the pipeline.
-pub struct Trace {
-    started: Instant,
-    pub upstream: String,
-    pub route: String,
-    pub retention: Duration,
-    pub key: Option<String>,
-    pub fingerprint: Option<String>,
-    pub entities: Vec<String>,
-    pub lock_wait: Duration,
-    pub upstream_time: Option<Duration>,
-    pub upstream_status: Option<u16>,
-}
-
-impl Trace {
-    pub fn new(upstream: &str, route: &str, retention: Duration) -> Trace {
-        Trace {
-            started: Instant::now(),
-            upstream: upstream.to_owned(),
-            route: route.to_owned(),
-            retention,
-            key: None,
-            fingerprint: None,
-            entities: Vec::new(),
-            lock_wait: Duration::ZERO,
-            upstream_time: None,
-            upstream_status: None,
-        }
-    }
-
-    /// Ends the trace: one audit row, one metrics update.
-    pub fn record(self, auditor: &Auditor, decision: &str) {
-        auditor
-            .stats
-            .on_decision(&self.route, decision, self.lock_wait, self.upstream_time);
-        let ms = |d: Duration| d.as_millis() as i64;
-        auditor.send(AuditRow {
-            at: now_ms(),
-            upstream: self.upstream,
-            route: self.route,
-            entities: self.entities,
-            key: self.key,
-            fingerprint: self.fingerprint,
-            decision: decision.to_owned(),
-            upstream_status: self.upstream_status,
-            total_ms: ms(self.started.elapsed()),
-            lock_wait_ms: ms(self.lock_wait),
-            upstream_ms: self.upstream_time.map(ms),
-            expires_at: after_ms(self.retention),
-        });
-    }
-}
-
-/// A request's trace until its outcome is known; a request dropped before that (the client
-/// hung up while it waited) still gets its audit row, as `client_closed`.
-pub struct PendingTrace {
-    trace: Option<Trace>,
-    auditor: Auditor,
-}
-
-impl PendingTrace {
-    pub fn new(trace: Trace, auditor: &Auditor) -> PendingTrace {
-        PendingTrace {
-            trace: Some(trace),
-            auditor: auditor.clone(),
-        }
-    }
-}
-
-impl std::ops::Deref for PendingTrace {
-    type Target = Option<Trace>;
-    fn deref(&self) -> &Option<Trace> {
-        &self.trace
-    }
-}
-
-impl std::ops::DerefMut for PendingTrace {
-    fn deref_mut(&mut self) -> &mut Option<Trace> {
-        &mut self.trace
-    }
-}
-
-impl Drop for PendingTrace {
-    fn drop(&mut self) {
-        if let Some(t) = self.trace.take() {
-            t.record(&self.auditor, "client_closed");
         }
     }
 }

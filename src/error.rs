@@ -20,6 +20,8 @@ pub enum Origin {
     Store,
     /// The state of other requests (locks held, keys in flight, claims).
     Conflict,
+    /// The proxy itself.
+    Internal,
 }
 
 /// The error types of SPEC.md. The string form is what clients see in `Idemproxy-Error`.
@@ -50,6 +52,8 @@ pub enum ErrorKind {
     /// The key's first answer was over `max_answer`: it reached its first caller but was not
     /// stored, so it cannot be replayed; the request is never forwarded again (`409`).
     AnswerTooLarge,
+    /// The proxy itself failed (a bug): a JSON `500`, never a bare one.
+    Internal,
     /// Admin API only: `/admin/*` on a non-loopback listener without an `admin_token`.
     Forbidden,
     /// Admin API only: a missing or wrong bearer token.
@@ -85,6 +89,7 @@ impl ErrorKind {
             BodyTimeout => "body_timeout",
             AnswerTooLarge => "answer_too_large",
             Forbidden => "forbidden",
+            Internal => "internal_error",
             Unauthorized => "unauthorized",
             NotFound => "not_found",
         }
@@ -103,6 +108,7 @@ impl ErrorKind {
             | AnswerTooLarge => StatusCode::CONFLICT,
             BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Forbidden => StatusCode::FORBIDDEN,
+            Internal => StatusCode::INTERNAL_SERVER_ERROR,
             EntityBusy | StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             UpstreamUnreachable => StatusCode::BAD_GATEWAY,
             UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
@@ -116,6 +122,7 @@ impl ErrorKind {
         match self {
             StoreUnavailable => Origin::Store,
             UpstreamUnreachable | UpstreamTimeout => Origin::Upstream,
+            Internal => Origin::Internal,
             KeyReused | RequestInProgress | OutcomeUnknown | StaleVersion | EntityClaimed
             | PrecheckFailed | EntityBusy | AnswerTooLarge => Origin::Conflict,
             _ => Origin::Downstream,

@@ -1,8 +1,8 @@
 //! `idemproxy explain`: the pipeline's step 1 and the router, as a dry run — no network, no
-//! store. It runs the same code as the server ([`crate::router::resolve`], [`crate::prepare`]).
+//! store. It runs the same code as the server ([`crate::router::resolve`], [`crate::pipeline::prepare`]).
 
 use crate::config::Config;
-use crate::prepare::{self, Input, KeyPlan, KeySource};
+use crate::pipeline::prepare::{self, Input, KeyPlan, KeySource};
 use crate::router::{resolve, Action, Listener};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
@@ -157,11 +157,10 @@ pub fn explain(
             "version:     {v} (forwarded only if newer than every entity's accepted version)"
         );
     }
-    if route.claim {
+    if let Some(ttl) = route.claim {
         let _ = writeln!(
             w,
-            "claim:       the first key to succeed owns the entities (claim_ttl {:?})",
-            route.claim_ttl.unwrap_or_default()
+            "claim:       the first key to succeed owns the entities (claim_ttl {ttl:?})"
         );
     }
     if route.release_claim {

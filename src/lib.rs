@@ -10,10 +10,9 @@
 //! - [`router`]: the main-listener router: prefix → upstream, path safety, safe methods streamed
 //!   through, route matching, `unmatched` policy.
 //! - [`state`]: the state every request shares (`AppState`).
-//! - [`pipeline`]: the protected-request pipeline, SPEC.md steps 1–7 as named steps of one
-//!   function: prepare, look up, lock, check, reserve, forward, store.
-//! - [`prepare`]: step 1 — body, key, fingerprint, entities, version (shared with `explain`).
-//! - [`checks`]: step 4 — claim, version fencing and precheck, inside the entity locks.
+//! - [`pipeline`]: the protected-request pipeline, SPEC.md's seven steps in seven files —
+//!   prepare, lookup, lock, checks, reserve, forward, store — over one request context and one
+//!   typed outcome.
 //! - [`upstream`]: the upstream side: pooled clients (rustls, per-upstream trust roots), header
 //!   hygiene, the call of a protected request and its outcome table, passthrough streaming.
 //! - [`config`]: `proxy.toml`, parsed and validated into compiled types at load.
@@ -39,7 +38,6 @@ pub mod admin;
 pub mod audit;
 pub mod body;
 pub mod cache;
-pub mod checks;
 pub mod cli;
 pub mod config;
 pub mod error;
@@ -50,7 +48,6 @@ pub mod locks;
 pub mod logging;
 pub mod metrics;
 pub mod pipeline;
-pub mod prepare;
 pub mod route;
 pub mod router;
 pub mod server;

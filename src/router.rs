@@ -4,7 +4,7 @@
 //! matches a route (or the upstream's `unmatched = "protect"`) goes to [`crate::pipeline`].
 
 use crate::config::{Config, Route, Unmatched, Upstream};
-use crate::error::{ErrorKind, ProxyError, ProxyResult};
+use crate::error::{ErrorKind, Origin, ProxyError, ProxyResult};
 use crate::state::AppState;
 use crate::upstream::{passthrough, ProxyBody, Target};
 use http::{Method, Request, Response, Version};
@@ -32,7 +32,15 @@ pub async fn handle(
     match dispatch(&state, &listener, req).await {
         Ok(resp) => resp,
         Err(e) => {
-            tracing::info!(%method, %path, error = %e, "request refused");
+            // Every error answer passes here: counted and logged by origin in this one place.
+            match e.kind.origin() {
+                Origin::Store => {
+                    state.stats.on_store_error();
+                    tracing::error!(%method, %path, error = %e, "store unavailable; failing closed");
+                }
+                Origin::Internal => tracing::error!(%method, %path, error = %e, "request failed"),
+                _ => tracing::info!(%method, %path, error = %e, "request refused"),
+            }
             e.to_response_as(e.format)
                 .map(|b| b.map_err(|never| match never {}).boxed())
         }

@@ -42,7 +42,10 @@ fn node_hubspot() -> bool {
         "@hubspot/api-client 14.0.1 in tests/sdk/node",
         std::process::Command::new("node")
             .current_dir(sdk_dir().join("node"))
-            .args(["-e", "if (require('@hubspot/api-client/package.json').version !== '14.0.1') process.exit(1)"]),
+            .args([
+                "-e",
+                "const v = JSON.parse(require('fs').readFileSync('node_modules/@hubspot/api-client/package.json')).version; if (v !== '14.0.1') process.exit(1)",
+            ]),
     )
 }
 
@@ -256,7 +259,7 @@ fn node_stripe() -> bool {
             .current_dir(sdk_dir().join("node"))
             .args([
                 "-e",
-                "if (require('stripe/package.json').version !== '23.1.0') process.exit(1)",
+                "const v = JSON.parse(require('fs').readFileSync('node_modules/stripe/package.json')).version; if (v !== '23.1.0') process.exit(1)",
             ]),
     )
 }

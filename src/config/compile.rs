@@ -36,7 +36,7 @@ pub(super) fn compile(
     let routes: Vec<Arc<Route>> = raw
         .routes
         .iter()
-        .filter_map(|r| route(&mut cx, r, &raw.upstreams))
+        .filter_map(|r| route(&mut cx, r, &raw.upstreams, store.retention))
         .map(Arc::new)
         .collect();
     let mut names = HashSet::new();
@@ -48,7 +48,7 @@ pub(super) fn compile(
             );
         }
     }
-    let upstreams = upstreams(&mut cx, &raw.upstreams, &routes, &server);
+    let upstreams = upstreams(&mut cx, &raw.upstreams, &routes, &server, store.retention);
     if cx.errors.is_empty() {
         Ok(Config {
             origin: origin.to_owned(),
@@ -194,6 +194,7 @@ fn upstreams(
     raw: &BTreeMap<String, Spanned<RawUpstream>>,
     routes: &[Arc<Route>],
     server: &ServerConfig,
+    store_retention: Duration,
 ) -> Vec<Arc<Upstream>> {
     let mut out = Vec::new();
     let mut prefixes: Vec<String> = Vec::new();
@@ -360,7 +361,7 @@ fn upstreams(
                 .filter(|r| &r.upstream == name)
                 .cloned()
                 .collect(),
-            unmatched_route: Arc::new(Route::unmatched(name)),
+            unmatched_route: Arc::new(Route::unmatched(name, store_retention)),
         }));
     }
     out

@@ -162,11 +162,13 @@ pub struct Route {
     pub lock_timeout: Duration,
     pub fingerprint: FingerprintRule,
     pub version: Option<Template>,
-    pub claim: bool,
-    pub claim_ttl: Option<Duration>,
+    /// Claim-first: the first key to succeed owns the entities for this long.
+    pub claim: Option<Duration>,
     pub release_claim: bool,
     pub precheck: Option<Precheck>,
-    pub retention: Option<Duration>,
+    /// How long a completed key stays replayable: the route's, else `store.retention`
+    /// (resolved at load).
+    pub retention: Duration,
     /// Some template or rule reads the body: it must parse.
     pub needs_body: bool,
     /// A read sent as POST (a search, a batch read): never keyed, locked or recorded;
@@ -252,7 +254,7 @@ impl Config {
 
 impl Route {
     /// The implicit route of `unmatched = "protect"`.
-    pub fn unmatched(upstream: &str) -> Route {
+    pub fn unmatched(upstream: &str, retention: Duration) -> Route {
         Route {
             name: format!("{upstream}:unmatched"),
             upstream: upstream.to_owned(),
@@ -270,11 +272,10 @@ impl Route {
             lock_timeout: Duration::from_secs(30),
             fingerprint: FingerprintRule::default(),
             version: None,
-            claim: false,
-            claim_ttl: None,
+            claim: None,
             release_claim: false,
             precheck: None,
-            retention: None,
+            retention,
             needs_body: false,
             read_only: false,
         }

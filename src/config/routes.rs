@@ -12,6 +12,7 @@ pub(super) fn route(
     cx: &mut Ctx,
     sp: &Spanned<RawRoute>,
     upstreams: &BTreeMap<String, Spanned<RawUpstream>>,
+    store_retention: Duration,
 ) -> Option<Route> {
     let r = sp.get_ref();
     let errors_before = cx.errors.len();
@@ -178,7 +179,7 @@ pub(super) fn route(
     let retention = r
         .retention
         .as_ref()
-        .map(|_| cx.dur(&r.retention, Duration::ZERO));
+        .map_or(store_retention, |_| cx.dur(&r.retention, Duration::ZERO));
     let uses_body = |t: &Option<Template>| {
         t.as_ref()
             .is_some_and(|t| t.uses(|s| matches!(s, Source::Body(_))))
@@ -223,8 +224,7 @@ pub(super) fn route(
         lock_timeout: cx.dur(&r.lock_timeout, Duration::from_secs(30)),
         fingerprint,
         version,
-        claim,
-        claim_ttl,
+        claim: claim.then(|| claim_ttl.unwrap_or(Duration::from_secs(86_400))),
         release_claim,
         precheck,
         retention,

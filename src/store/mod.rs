@@ -31,7 +31,7 @@ pub fn after_ms(d: Duration) -> i64 {
 }
 
 /// The identity of a stored key.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct ScopedKey {
     pub upstream: String,
     /// Hex SHA-256 of the credential headers.

@@ -1,14 +1,20 @@
-//! Step 1 of the pipeline: buffer the body once, then evaluate key, fingerprint, entities and
-//! version. Pure of the network and the store, so `idemproxy explain` runs the same code.
+//! Step 1: buffer the body once (within `max_body` and `body_timeout`), then evaluate key,
+//! fingerprint, entities and version. [`prepare`] is pure of the network and the store, so
+//! `idemproxy explain` runs the same code.
 
+use super::forward::Outgoing;
+use super::Ctx;
 use crate::body::{self, BodyKind};
 use crate::config::{Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::key;
 use crate::store::ScopedKey;
 use crate::template::RequestView;
+use crate::upstream::Target;
 use bytes::Bytes;
-use http::{HeaderMap, Method};
+use http::{HeaderMap, Method, Request};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use hyper::body::Incoming;
 
 /// Most entities one request may lock.
 pub const MAX_ENTITIES: usize = 100;
@@ -16,14 +22,15 @@ pub const MAX_ENTITIES: usize = 100;
 pub const MAX_ENTITY_LEN: usize = 200;
 
 /// Where the key came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KeySource {
+    #[default]
     Header,
     Derived,
 }
 
 /// A protected request, evaluated.
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct Prepared {
     pub key: String,
     pub key_source: KeySource,
@@ -45,6 +52,67 @@ pub enum KeyPlan {
     Derive,
     /// No key and none required: forward unprotected, streamed.
     Unprotected,
+}
+
+/// Step 1: the body, buffered once; then the evaluation, and the upstream request built.
+pub(super) async fn step(
+    ctx: &mut Ctx,
+    plan: KeyPlan,
+    (params, canonical): (Vec<(String, String)>, &str),
+    target: &Target<'_>,
+    req: Request<Incoming>,
+) -> ProxyResult<()> {
+    let (parts, body) = req.into_parts();
+    let server = &ctx.state.config.server;
+    let read = read_body(body, &parts.headers, server.max_body);
+    let body = tokio::time::timeout(server.body_timeout, read)
+        .await
+        .map_err(|_| {
+            ProxyError::new(
+                ErrorKind::BodyTimeout,
+                format!(
+                    "the request body did not arrive within body_timeout ({:?})",
+                    server.body_timeout
+                ),
+            )
+        })??;
+    let input = Input {
+        method: &parts.method,
+        path: canonical,
+        query: target.query,
+        headers: &parts.headers,
+        body: &body,
+        path_params: &params,
+    };
+    ctx.p = prepare(&ctx.upstream, &ctx.route, plan, &input, &ctx.state.scoper)?;
+    ctx.prepared = true;
+    ctx.outgoing = Outgoing::new(&ctx.client, target, &ctx.p, parts, body)?;
+    Ok(())
+}
+
+/// Buffers a request body up to `max` bytes.
+async fn read_body(body: Incoming, headers: &HeaderMap, max: usize) -> ProxyResult<Bytes> {
+    let too_large = || {
+        ProxyError::new(
+            ErrorKind::BodyTooLarge,
+            format!("the request body is over the {max}-byte limit"),
+        )
+    };
+    let declared = headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > max as u64) {
+        return Err(too_large());
+    }
+    match Limited::new(body, max).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => Err(too_large()),
+        Err(e) => Err(ProxyError::new(
+            ErrorKind::BodyInvalid,
+            format!("the request body could not be read: {e}"),
+        )),
+    }
 }
 
 /// Reads the client's key, if the route takes one: decided before the body is buffered so an

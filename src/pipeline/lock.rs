@@ -1,11 +1,9 @@
-//! Step 3: entity locks — in this process first, then across replicas through the store.
+//! Step 3: the entity locks, every entity of the request in sorted order, by the request's
+//! deadline — in this process first, then across replicas through the store's leases.
 
-use super::{entity_busy, store_error};
+use super::Ctx;
 use crate::config::Route;
-use crate::error::ProxyResult;
-use crate::locks::LockGuard;
-use crate::prepare::Prepared;
-use crate::state::AppState;
+use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::store::{EntityLease, Store, StoreResult};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,28 +11,38 @@ use tokio::sync::oneshot;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
-/// Step 3: local entity locks, then the store's cross-replica leases, all by `deadline`.
-pub(super) async fn lock_entities(
-    state: &AppState,
-    route: &Route,
-    p: &Prepared,
-    deadline: Instant,
-) -> ProxyResult<(Vec<LockGuard>, StoreLeases)> {
+/// Step 3: local entity locks, then the store's cross-replica leases.
+pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<()> {
+    let waited = Instant::now();
+    let locked = lock(ctx).await;
+    ctx.lock_wait += waited.elapsed();
+    let (guards, leases) = locked?;
+    ctx.entity_guards = guards;
+    ctx.leases = leases;
+    Ok(())
+}
+
+type Locked = (Vec<crate::locks::LockGuard>, Option<StoreLeases>);
+
+async fn lock(ctx: &Ctx) -> ProxyResult<Locked> {
+    let state = &ctx.state;
+    let deadline = ctx.deadline.unwrap_or_else(Instant::now);
     let _waiting = state.stats.wait();
     let left = || deadline.saturating_duration_since(Instant::now());
     let guards = state
         .entity_locks
-        .lock_all(&p.entities, left())
+        .lock_all(&ctx.p.entities, left())
         .await
-        .map_err(|_| entity_busy(route))?;
-    if p.entities.is_empty() {
-        return Ok((guards, StoreLeases::none(state)));
+        .map_err(|_| entity_busy(&ctx.route))?;
+    if ctx.p.entities.is_empty() {
+        return Ok((guards, None));
     }
     // Taken in a task of its own and handed over as a guard: if this request is cancelled
     // (the client hung up) while leases are being taken, the guard drops and releases them
     // instead of leaving the entities locked until the leases run out.
     let (tx, rx) = oneshot::channel();
-    let (store, owner, entities) = (state.store.clone(), state.owner.clone(), p.entities.clone());
+    let (store, owner) = (state.store.clone(), state.owner.clone());
+    let entities = ctx.p.entities.clone();
     let (lease, timeout) = (state.config.store.lease, left());
     tokio::spawn(async move {
         let taken = store.lock_entities(&entities, &owner, lease, timeout).await;
@@ -44,10 +52,21 @@ pub(super) async fn lock_entities(
     });
     let leases = rx
         .await
-        .map_err(|_| entity_busy(route))?
-        .map_err(|e| store_error(state, e))?
-        .ok_or_else(|| entity_busy(route))?;
-    Ok((guards, leases))
+        .map_err(|_| entity_busy(&ctx.route))?
+        .map_err(ProxyError::store)?
+        .ok_or_else(|| entity_busy(&ctx.route))?;
+    Ok((guards, Some(leases)))
+}
+
+pub(super) fn entity_busy(route: &Route) -> ProxyError {
+    ProxyError::new(
+        ErrorKind::EntityBusy,
+        format!(
+            "the entity stayed locked by other writes for lock_timeout ({:?})",
+            route.lock_timeout
+        ),
+    )
+    .retry_after(Duration::from_secs(1))
 }
 
 /// Entity leases held in the store: renewed every third of the lease for as long as they are
@@ -62,15 +81,6 @@ pub(super) struct StoreLeases {
 }
 
 impl StoreLeases {
-    pub(super) fn none(state: &AppState) -> StoreLeases {
-        StoreLeases {
-            store: state.store.clone(),
-            owner: state.owner.clone(),
-            held: Vec::new(),
-            renewing: None,
-        }
-    }
-
     fn held(
         store: Arc<dyn Store>,
         owner: String,

@@ -1,9 +1,10 @@
 //! Step 4 of the pipeline, inside the entity locks: the claim, the version, the precheck.
 //! Each refuses with a 409 that says what it saw, and nothing is forwarded.
 
+use super::prepare::Prepared;
+use super::Ctx;
 use crate::config::{Precheck, Route};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
-use crate::prepare::Prepared;
 use crate::store::{now_ms, EntityState, Store};
 use crate::upstream::describe;
 use crate::upstream::{full, UpstreamClient};
@@ -14,6 +15,19 @@ use serde_json::{json, Value};
 /// Most bytes of a precheck answer read.
 const PRECHECK_MAX_BODY: usize = 1 << 20;
 
+/// Step 4, inside the locks.
+pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<()> {
+    let store = ctx.state.store.as_ref();
+    run(
+        store,
+        &ctx.route,
+        &ctx.p,
+        &ctx.client,
+        &ctx.outgoing.headers,
+    )
+    .await
+}
+
 /// Runs the route's checks in SPEC order: claim, version, precheck.
 pub async fn run(
     store: &dyn Store,
@@ -22,12 +36,12 @@ pub async fn run(
     client: &UpstreamClient,
     headers: &HeaderMap,
 ) -> ProxyResult<()> {
-    if route.claim || p.version.is_some() {
+    if route.claim.is_some() || p.version.is_some() {
         let states = store
             .entity_states(&p.entities)
             .await
             .map_err(ProxyError::store)?;
-        if route.claim {
+        if route.claim.is_some() {
             check_claims(&states, p)?;
         }
         if let Some(v) = p.version {

@@ -1,0 +1,100 @@
+//! Step 6: the upstream call, run to completion even if the client hung up, renewing the key's
+//! lease while it runs. Never retried here: a re-forward is only safe when nothing was sent,
+//! and even then it is the client's retry that does it.
+
+use super::prepare::Prepared;
+use super::Ctx;
+use crate::error::{ErrorKind, ProxyError, ProxyResult};
+use crate::upstream::{call, full, request_headers, Outcome, ProxyBody, Target, UpstreamClient};
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue, Request};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// The upstream request of a protected call, built once in step 1: hop-by-hop headers gone,
+/// the native idempotency header set, the body shared (`Bytes`), never copied.
+#[derive(Default)]
+pub(super) struct Outgoing {
+    method: http::Method,
+    uri: http::Uri,
+    pub(super) headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Outgoing {
+    pub(super) fn new(
+        client: &UpstreamClient,
+        target: &Target<'_>,
+        p: &Prepared,
+        parts: http::request::Parts,
+        body: Bytes,
+    ) -> ProxyResult<Outgoing> {
+        let mut headers = request_headers(parts.headers);
+        if let Some(native) = &target.upstream.native_idempotency_header {
+            if let Ok(v) = HeaderValue::from_str(&p.key) {
+                headers.insert(native.clone(), v);
+            }
+        }
+        let uri = client.uri(&target.path_and_query()).map_err(|e| {
+            ProxyError::new(
+                ErrorKind::BadPath,
+                format!("cannot build the upstream URL: {e}"),
+            )
+        })?;
+        Ok(Outgoing {
+            method: parts.method,
+            uri,
+            headers,
+            body,
+        })
+    }
+
+    fn request(&self) -> Request<ProxyBody> {
+        let mut out = Request::new(full(self.body.clone()));
+        *out.method_mut() = self.method.clone();
+        *out.uri_mut() = self.uri.clone();
+        *out.headers_mut() = self.headers.clone();
+        out
+    }
+}
+
+/// Step 6: the call, timed, counted in flight, the key's lease renewed every third of it.
+pub(super) async fn step(ctx: &mut Ctx) -> Outcome {
+    let started = Instant::now();
+    let outcome = {
+        let _in_flight = ctx.state.stats.on_forward();
+        call_renewing(ctx).await
+    };
+    ctx.upstream_time = Some(started.elapsed());
+    outcome
+}
+
+async fn call_renewing(ctx: &Ctx) -> Outcome {
+    let lease = ctx.state.config.store.lease;
+    let every = (lease / 3).max(Duration::from_millis(100));
+    let call = call::call(&ctx.client, ctx.outgoing.request(), ctx.upstream.timeout);
+    tokio::pin!(call);
+    let mut tick = tokio::time::interval_at(Instant::now() + every, every);
+    loop {
+        tokio::select! {
+            outcome = &mut call => return outcome,
+            _ = tick.tick() => renew(ctx, lease).await,
+        }
+    }
+}
+
+/// Extends the key's lease (the entity leases renew themselves, see `StoreLeases`); failures
+/// are logged (the call goes on: it cannot be taken back).
+async fn renew(ctx: &Ctx, lease: Duration) {
+    let (state, id) = (&ctx.state, &ctx.p.id);
+    match state.store.renew(id, ctx.epoch, lease).await {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::error!(key = %id.key, "lost the key's reservation while the upstream call runs")
+        }
+        Err(e) => {
+            state.stats.on_store_error();
+            tracing::warn!(key = %id.key, error = %e, "lease renewal failed");
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! Step 2: the scoped key. A completed key replays (from the replay cache when it can, with no
+//! lock); another fingerprint is `422 key_reused`; a key in flight is waited for (or refused);
+//! an unknown outcome is `409 outcome_unknown` unless the upstream dedupes by our key.
+
+use super::Ctx;
+use crate::config::InFlight;
+use crate::error::{ErrorKind, ProxyError, ProxyResult};
+use crate::store::{now_ms, KeyRecord, KeyState, ScopedKey, StoredResponse};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tokio::time::Instant;
+
+/// What the look-up found.
+pub(super) enum Found {
+    /// A stored answer for this request.
+    Replay(Arc<StoredResponse>),
+    /// Nothing stands in the way: lock, check, reserve, forward.
+    Proceed,
+}
+
+/// What a stored record means for this request.
+enum Decision {
+    /// `take_unknown`: re-forward an unknown outcome (only when the upstream dedupes by our key).
+    Proceed {
+        take_unknown: bool,
+    },
+    Replay(Arc<StoredResponse>),
+    /// Another process owns the key until this time (ms); wait for it.
+    WaitForeign(i64),
+}
+
+/// Step 2. The first time, it also takes the key's local slot (one request per scoped key in
+/// this process; the rest queue behind it); after a reservation lost to another process, it
+/// decides on that process's record.
+pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
+    let mut fresh = None;
+    if ctx.slot.is_none() {
+        if ctx.state.legacy_scopes {
+            adopt_legacy_scope(ctx).await?;
+        }
+        // A completed key replays at once, with no lock — concurrent replays of one key never
+        // queue behind each other — and, when cached, with no store read.
+        if let Some(hit) = ctx.state.cache.get(&ctx.p.id) {
+            if hit.fingerprint == ctx.p.fingerprint {
+                return Ok(Found::Replay(hit.response.clone()));
+            }
+            return Err(key_reused());
+        }
+        let record = get(ctx, &ctx.p.id.clone()).await?;
+        if let Some(rec) = record
+            .as_ref()
+            .filter(|r| r.effective_state(now_ms()) == KeyState::Completed)
+        {
+            ctx.state.cache.put_record(rec);
+            if let Decision::Replay(stored) = decide(ctx, Some(rec))? {
+                return Ok(Found::Replay(stored));
+            }
+        }
+        let immediate = take_slot(ctx).await?;
+        ctx.deadline = Some(Instant::now() + ctx.route.lock_timeout);
+        // An absent key read just now needs no second look (the reservation settles any
+        // race); anything else is read again after subscribing to its changes.
+        if immediate && record.is_none() {
+            fresh = Some(None);
+        }
+    }
+    let deadline = ctx.deadline.unwrap_or_else(Instant::now);
+    loop {
+        if let Some(record) = ctx.taken.take() {
+            match decide(ctx, Some(&record))? {
+                Decision::Replay(stored) => return Ok(Found::Replay(stored)),
+                Decision::WaitForeign(until) => wait_foreign(ctx, until, deadline).await?,
+                // Our reading and the store disagree (another replica's clock, a race): try
+                // again, but never past the deadline.
+                Decision::Proceed { .. } if Instant::now() >= deadline => return Err(in_progress()),
+                Decision::Proceed { .. } => {}
+            }
+        }
+        // Subscribed before reading, so a completion in another replica cannot slip between.
+        ctx.woken = ctx.state.store.subscribe_key(&ctx.p.id);
+        let record = match fresh.take() {
+            Some(record) => record,
+            None => get(ctx, &ctx.p.id.clone()).await?,
+        };
+        match decide(ctx, record.as_ref())? {
+            Decision::Replay(stored) => return Ok(Found::Replay(stored)),
+            Decision::Proceed { take_unknown } => {
+                ctx.take_unknown = take_unknown;
+                return Ok(Found::Proceed);
+            }
+            Decision::WaitForeign(until) => wait_foreign(ctx, until, deadline).await?,
+        }
+    }
+}
+
+async fn get(ctx: &Ctx, id: &ScopedKey) -> ProxyResult<Option<KeyRecord>> {
+    ctx.state.store.get(id).await.map_err(ProxyError::store)
+}
+
+/// The key's local slot: `true` when it was free at once.
+async fn take_slot(ctx: &mut Ctx) -> ProxyResult<bool> {
+    let id = &ctx.p.id;
+    let name = format!("{}\n{}\n{}", id.upstream, id.scope, id.key);
+    let locks = &ctx.state.key_locks;
+    let (slot, immediate) = match locks.lock(&name, None).await {
+        Ok(slot) => (slot, true),
+        Err(_) if ctx.route.in_flight == InFlight::Reject => return Err(in_progress()),
+        Err(_) => {
+            let _waiting = ctx.state.stats.wait();
+            let slot = locks.lock(&name, Some(ctx.route.lock_timeout)).await;
+            (slot.map_err(|_| in_progress())?, false)
+        }
+    };
+    ctx.slot = Some(slot);
+    Ok(immediate)
+}
+
+/// SPEC step 2's table.
+fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
+    let Some(rec) = record else {
+        return Ok(Decision::Proceed {
+            take_unknown: false,
+        });
+    };
+    let state = rec.effective_state(now_ms());
+    if state != KeyState::Released && rec.fingerprint != ctx.p.fingerprint {
+        return Err(key_reused());
+    }
+    Ok(match state {
+        KeyState::Released => Decision::Proceed {
+            take_unknown: false,
+        },
+        KeyState::Completed => match &rec.response {
+            Some(resp) => Decision::Replay(Arc::new(resp.clone())),
+            None => Decision::Proceed {
+                take_unknown: false,
+            },
+        },
+        KeyState::InFlight if ctx.route.in_flight == InFlight::Reject => return Err(in_progress()),
+        KeyState::InFlight => Decision::WaitForeign(rec.lease_until),
+        KeyState::Unknown if ctx.upstream.native_idempotency_header.is_some() => {
+            Decision::Proceed { take_unknown: true }
+        }
+        KeyState::Unknown => return Err(ProxyError::new(
+            ErrorKind::OutcomeUnknown,
+            "an earlier attempt with this key reached the upstream but its outcome is unknown; \
+                 check the upstream, then resolve it with `idemproxy keys release KEY`",
+        )),
+    })
+}
+
+/// Waits for another process's in-flight record: until it changes, its lease ends, or our
+/// deadline passes.
+async fn wait_foreign(ctx: &mut Ctx, until_ms: i64, deadline: Instant) -> ProxyResult<()> {
+    if Instant::now() >= deadline {
+        return Err(in_progress());
+    }
+    let _waiting = ctx.state.stats.wait();
+    let lease_left = Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64 + 1);
+    let wake = (Instant::now() + lease_left).min(deadline);
+    let woken: Option<watch::Receiver<u64>> = ctx.woken.take();
+    match woken {
+        Some(mut rx) => {
+            tokio::select! {
+                _ = rx.changed() => {}
+                _ = tokio::time::sleep_until(wake) => {}
+            }
+        }
+        None => tokio::time::sleep_until(wake).await,
+    }
+    Ok(())
+}
+
+/// A key stored by the first release has an unkeyed scope. When the keyed scope finds no
+/// record, the old scope's record, if there is one, is this request's: an upgrade must never
+/// make a stored key look new to its own caller's retry.
+async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<()> {
+    if ctx.state.cache.get(&ctx.p.id).is_some() || get(ctx, &ctx.p.id.clone()).await?.is_some() {
+        return Ok(());
+    }
+    let old = ScopedKey {
+        scope: crate::key::legacy_scope(&ctx.outgoing.headers, &ctx.upstream.scope_headers),
+        ..ctx.p.id.clone()
+    };
+    if get(ctx, &old).await?.is_some() {
+        ctx.p.id = old;
+    }
+    Ok(())
+}
+
+fn key_reused() -> ProxyError {
+    ProxyError::new(
+        ErrorKind::KeyReused,
+        "this idempotency key was used for a different request (method, path, query or body differ)",
+    )
+}
+
+pub(super) fn in_progress() -> ProxyError {
+    ProxyError::new(
+        ErrorKind::RequestInProgress,
+        "a request with this idempotency key is in progress",
+    )
+    .retry_after(Duration::from_secs(1))
+}

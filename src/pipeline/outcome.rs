@@ -1,0 +1,156 @@
+//! How a protected request ended, typed: the one value its audit row, its metrics and its
+//! answer are all written from, in [`Ctx::finish`].
+
+use super::Ctx;
+use crate::error::{ErrorKind, ProxyError, ProxyResult};
+use crate::store::{after_ms, now_ms, AuditRow, StoredResponse};
+use crate::upstream::{full, PrefixedBody, ProxyBody};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use http_body_util::BodyExt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How a protected request ended.
+pub enum Outcome {
+    /// A stored answer, replayed (audit decision `replayed`).
+    Replayed(Arc<StoredResponse>),
+    /// The upstream's answer, stored (`forwarded`) or, for a `release_statuses` status, not
+    /// stored so a retry is forwarded again (`released`).
+    Answered { answer: Answer, released: bool },
+    /// Never sent: the key is released (`upstream_unreachable`).
+    NotSent(ProxyError),
+    /// Sent, no complete answer: the outcome is unknown (`unknown`).
+    Unknown(ProxyError),
+    /// Refused by the proxy before anything was sent (the error type).
+    Refused(ProxyError),
+}
+
+/// The upstream's answer for the first caller.
+pub enum Answer {
+    Full(Arc<StoredResponse>),
+    /// Over `max_answer`: the head, and the body streamed through, never stored.
+    Streamed(Arc<StoredResponse>, PrefixedBody),
+}
+
+/// A stored answer as a replay — unless its body was too large to store: then the request
+/// is refused, never forwarded again.
+pub(super) fn replayed(stored: Arc<StoredResponse>) -> Outcome {
+    if !stored.body_omitted() {
+        return Outcome::Replayed(stored);
+    }
+    Outcome::Refused(
+        ProxyError::new(
+            ErrorKind::AnswerTooLarge,
+            format!(
+                "the first request with this key was answered {} by the upstream, with a body over \
+                 max_answer that was not stored; it is not forwarded again and cannot be replayed",
+                stored.status
+            ),
+        )
+        .details(serde_json::json!({ "upstream_status": stored.status })),
+    )
+}
+
+impl Outcome {
+    /// The audit row's decision (SPEC: `forwarded`, `replayed`, `released`, `unknown`, or the
+    /// error type).
+    pub fn decision(&self) -> &'static str {
+        match self {
+            Outcome::Replayed(_) => "replayed",
+            Outcome::Answered { released: true, .. } => "released",
+            Outcome::Answered { .. } => "forwarded",
+            Outcome::Unknown(_) => "unknown",
+            Outcome::NotSent(e) | Outcome::Refused(e) => e.kind.as_str(),
+        }
+    }
+}
+
+impl Ctx {
+    /// Ends the request: one audit row, one metrics update, one answer.
+    pub fn finish(mut self, outcome: Outcome) -> ProxyResult<Response<ProxyBody>> {
+        self.finished = true;
+        if matches!(outcome, Outcome::Replayed(_)) {
+            self.state.stats.on_replay();
+        }
+        self.record(outcome.decision());
+        let key = self.prepared.then(|| self.p.key.clone());
+        match outcome {
+            Outcome::Replayed(stored) => Ok(respond(&stored, &self.p.key, true)),
+            Outcome::Answered { answer, .. } => Ok(match answer {
+                Answer::Full(resp) => respond(&resp, &self.p.key, false),
+                Answer::Streamed(head, body) => {
+                    let mut resp = respond(&head, &self.p.key, false);
+                    *resp.body_mut() = body.map_err(Into::into).boxed();
+                    resp
+                }
+            }),
+            Outcome::NotSent(e) | Outcome::Unknown(e) | Outcome::Refused(e) => Err(match key {
+                Some(k) if e.key.is_none() => e.with_key(&k),
+                _ => e,
+            }),
+        }
+    }
+
+    /// The audit row and the per-decision metrics.
+    pub(super) fn record(&mut self, decision: &str) {
+        let state = &self.state;
+        state.stats.on_decision(
+            &self.route.name,
+            decision,
+            self.lock_wait,
+            self.upstream_time,
+        );
+        let ms = |d: Duration| d.as_millis() as i64;
+        let (key, fingerprint, entities) = match self.prepared {
+            true => (
+                Some(self.p.key.clone()),
+                Some(self.p.fingerprint.clone()),
+                self.p.entities.clone(),
+            ),
+            false => (None, None, Vec::new()),
+        };
+        state.auditor.send(AuditRow {
+            at: now_ms(),
+            upstream: self.upstream.name.clone(),
+            route: self.route.name.clone(),
+            entities,
+            key,
+            fingerprint,
+            decision: decision.to_owned(),
+            upstream_status: self.upstream_status,
+            total_ms: ms(self.started.elapsed()),
+            lock_wait_ms: ms(self.lock_wait),
+            upstream_ms: self.upstream_time.map(ms),
+            expires_at: after_ms(self.route.retention),
+        });
+    }
+}
+
+/// A stored (or just received) answer, with the idempotency headers.
+pub(super) fn respond(stored: &StoredResponse, key: &str, replayed: bool) -> Response<ProxyBody> {
+    let mut resp = Response::new(full(stored.body.clone()));
+    *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    let h: &mut HeaderMap = resp.headers_mut();
+    for (name, value) in &stored.headers {
+        if let (Ok(n), Ok(v)) = (
+            HeaderName::from_bytes(name.as_bytes()),
+            HeaderValue::from_maybe_shared(value.clone()),
+        ) {
+            h.append(n, v);
+        }
+    }
+    if let Ok(v) = HeaderValue::from_str(key) {
+        h.insert("idempotency-key", v);
+    }
+    // An upstream that replayed on its own (Stripe, after a re-forward with the same key)
+    // said so: that stays true.
+    let upstream_replayed = h
+        .get("idempotent-replayed")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
+    let replayed = replayed || upstream_replayed;
+    h.insert(
+        "idempotent-replayed",
+        HeaderValue::from_static(if replayed { "true" } else { "false" }),
+    );
+    resp
+}
