@@ -6,12 +6,15 @@
 //! (lease expired, taken over) can never overwrite the new holder's outcome.
 
 pub mod codec;
+mod error;
 pub mod notify;
 pub mod postgres;
 mod records;
 mod rows;
+pub mod rules;
 pub mod sqlite;
 
+pub use error::{StoreError, StoreResult};
 pub use records::{AuditRow, Claim, Effects, EntityState};
 
 use async_trait::async_trait;
@@ -129,7 +132,8 @@ pub struct KeyRecord {
 
 impl KeyRecord {
     /// What the pipeline should treat this record as, now: an in-flight record whose lease ran
-    /// out was abandoned by a dead owner, so its outcome is unknown.
+    /// out was abandoned by a dead owner, so its outcome is unknown. The same rule as
+    /// [`rules::effective_state`], for a record already read.
     pub fn effective_state(&self, now: i64) -> KeyState {
         match self.state {
             KeyState::InFlight if self.lease_until <= now => KeyState::Unknown,
@@ -232,57 +236,38 @@ pub struct KeyFilter {
     pub limit: i64,
 }
 
-/// A store failure. Always surfaces as `503 store_unavailable` on the request path.
-#[derive(Debug)]
-pub struct StoreError(pub String);
-
-impl std::fmt::Display for StoreError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for StoreError {}
-
-impl From<sqlx::Error> for StoreError {
-    fn from(e: sqlx::Error) -> Self {
-        StoreError(e.to_string())
-    }
-}
-
-impl From<sqlx::migrate::MigrateError> for StoreError {
-    fn from(e: sqlx::migrate::MigrateError) -> Self {
-        StoreError(format!("migration failed: {e}"))
-    }
-}
-
-pub type StoreResult<T> = Result<T, StoreError>;
-
-/// The store interface both backends implement.
+/// Idempotency keys: reserve before forwarding, store the outcome, replay, release.
 #[async_trait]
-pub trait Store: Send + Sync + 'static {
-    /// `sqlite` or `postgres`, for logs.
-    fn backend(&self) -> &'static str;
-
+pub trait Keys: Send + Sync + 'static {
     /// Reads one record.
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>>;
-
     /// Atomically makes the key ours (absent, released, expired — or unknown when
     /// `take_unknown`), committed durably before it returns; else returns what stands.
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved>;
-
     /// Records the outcome if we still own `epoch`; `false` when fenced off.
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool>;
-
     /// Extends our lease while the upstream call runs; `false` when fenced off.
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool>;
-
     /// Interest in changes of a key owned by another process, registered before the caller
     /// reads the key so no wake-up is lost. `None`: no other process can own keys (SQLite).
     fn subscribe_key(&self, _id: &ScopedKey) -> Option<tokio::sync::watch::Receiver<u64>> {
         None
     }
+    /// Operator release: every record with this key (any upstream or scope) that is not live
+    /// in flight becomes forwardable again. Returns how many.
+    async fn release_key(&self, key: &str) -> StoreResult<u64>;
+    /// Every record with this key, any upstream or scope.
+    async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>>;
+    async fn list_keys(&self, filter: &KeyFilter) -> StoreResult<Vec<KeyRecord>>;
+    /// Registers `f`, called with a key that another process released (`None`: any key may
+    /// have changed, after a lost notification connection), so in-memory copies of completed
+    /// answers can be dropped. A one-process store has no one else to hear from.
+    fn observe_releases(&self, _f: ReleaseObserver) {}
+}
 
+/// Cross-process entity leases with fencing epochs (a one-process store needs none).
+#[async_trait]
+pub trait EntityLocks: Send + Sync + 'static {
     /// Takes cross-process leases on `entities` (sorted), waiting up to `timeout`; `None` when
     /// it ran out. The default suits a one-process store, whose in-process entity locks
     /// already serialize everything: no lease needed.
@@ -295,7 +280,6 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreResult<Option<Vec<EntityLease>>> {
         Ok(Some(Vec::new()))
     }
-
     /// Extends held entity leases; the ones lost (taken over after expiry) are returned.
     async fn renew_entities(
         &self,
@@ -305,66 +289,56 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreResult<Vec<String>> {
         Ok(Vec::new())
     }
-
     /// Releases entity leases (fenced: only those still ours) and wakes their waiters.
     async fn unlock_entities(&self, _leases: &[EntityLease], _owner: &str) -> StoreResult<()> {
         Ok(())
     }
+}
 
-    /// Operator release: every record with this key (any upstream or scope) that is not live
-    /// in flight becomes forwardable again. Returns how many.
-    async fn release_key(&self, key: &str) -> StoreResult<u64>;
-
-    /// Every record with this key, any upstream or scope.
-    async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>>;
-
-    async fn list_keys(&self, filter: &KeyFilter) -> StoreResult<Vec<KeyRecord>>;
-
+/// Per-entity state of ordered persistence: the last accepted version and the claim.
+#[async_trait]
+pub trait EntityStates: Send + Sync + 'static {
     /// The stored state of these entities (those the store has never seen are left out).
     async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>>;
-
     /// Operator release of an entity's claim (and of the claims of its scoped variants, see
     /// [`names_entity`]); `false` when none had one.
     async fn release_claim(&self, entity: &str) -> StoreResult<bool>;
-
     /// Operator view: the state of `entity` and of its scoped variants ([`names_entity`]).
     async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>>;
-
     /// Operator reset: forgets the last accepted version of `entity` (and of its scoped
     /// variants), so the next write with any version is accepted. Returns how many.
     async fn reset_version(&self, entity: &str) -> StoreResult<u64>;
+}
 
-    /// Records `id` (see [`crate::key::ScopeKeyer::id`]) as the id of the secret that keys
-    /// this store's credential scopes, unless one is recorded already; says which is recorded
-    /// and whether keys with first-release (unkeyed) scopes remain.
-    async fn scope_secret(&self, id: &str) -> StoreResult<ScopeCheck>;
-
+/// The audit trail, and retention of everything that expires.
+#[async_trait]
+pub trait AuditLog: Send + Sync + 'static {
     /// Appends audit rows (called in batches, off the request path).
     async fn append_audit(&self, rows: Vec<AuditRow>) -> StoreResult<()>;
-
     /// The newest audit rows touching `entity`.
     async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>>;
-
     /// The newest audit rows of `key` (any upstream or scope).
     async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>>;
-
     /// Deletes up to `batch` rows of each kind past retention: completed keys past their
     /// `expires_at`, released keys last touched before `released_before`, audit rows past
     /// their `expires_at`, lapsed claims. Returns how many rows went.
     async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64>;
+}
 
-    /// Registers `f`, called with a key that another process released (`None`: any key may
-    /// have changed, after a lost notification connection), so in-memory copies of completed
-    /// answers can be dropped. A one-process store has no one else to hear from.
-    fn observe_releases(&self, _f: ReleaseObserver) {}
-
+/// A whole store: every concern above, plus what the process needs of it as a whole.
+#[async_trait]
+pub trait Store: Keys + EntityLocks + EntityStates + AuditLog {
+    /// `sqlite` or `postgres`, for logs.
+    fn backend(&self) -> &'static str;
+    /// Records `id` (see [`crate::key::ScopeKeyer::id`]) as the id of the secret that keys
+    /// this store's credential scopes, unless one is recorded already; says which is recorded
+    /// and whether keys with first-release (unkeyed) scopes remain.
+    async fn scope_secret(&self, id: &str) -> StoreResult<ScopeCheck>;
     /// Tells CLI processes on this machine where the running proxy's admin API is (SQLite
     /// writes it into the lock file it holds). Nothing to do for a shared store.
     fn advertise_admin(&self, _addr: std::net::SocketAddr) {}
-
     /// Whether the store answers (readiness).
     async fn ping(&self) -> StoreResult<()>;
-
     /// Closes connections; pending writes are flushed first.
     async fn close(&self);
 }
@@ -405,7 +379,7 @@ pub async fn open(
         let s = postgres::PgStore::open(url).await?;
         Ok(std::sync::Arc::new(s))
     } else {
-        Err(StoreError(format!(
+        Err(StoreError::Unavailable(format!(
             "store {}: use sqlite://FILE or postgres://...",
             crate::config::redact_url(url)
         )))

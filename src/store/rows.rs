@@ -59,7 +59,7 @@ pub fn key_record(row: &impl Cols) -> StoreResult<KeyRecord> {
         route: row.text("route")?,
         entities: decode_entities(&row.text("entities")?),
         state: KeyState::parse(&state)
-            .ok_or_else(|| StoreError(format!("unknown key state {state:?}")))?,
+            .ok_or_else(|| StoreError::Corrupt(format!("unknown key state {state:?}")))?,
         owner: row.opt_text("owner")?,
         lease_until: row.int("lease_until")?,
         epoch: row.int("epoch")?,

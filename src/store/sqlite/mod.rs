@@ -10,9 +10,11 @@
 //! `<db>.lock`, so a second `serve` on the same file refuses to start, and any record still
 //! `in_flight` at start was left by a dead process: it becomes `unknown` at once.
 
-mod batch;
+mod audit;
+mod entities;
+mod keys;
+mod meta;
 mod writer;
-mod writes;
 
 use super::codec::encode_entities;
 use super::*;
@@ -24,12 +26,6 @@ use writer::Writer;
 use super::rows::{
     self, AUDIT_COLUMNS_SQLITE as AUDIT_COLUMNS, ENTITY_COLUMNS, KEY_COLUMNS_SQLITE as KEY_COLUMNS,
 };
-
-/// [`KeyRecord::effective_state`] in SQL (`?4` is now): what `keys list --state` filters on, so
-/// an abandoned in-flight key lists as `unknown`.
-const EFFECTIVE_STATE: &str =
-    "(CASE WHEN state = 'in_flight' AND lease_until <= ?4 THEN 'unknown' \
-     WHEN state = 'completed' AND expires_at < ?4 THEN 'released' ELSE state END)";
 
 pub struct SqliteStore {
     reads: SqlitePool,
@@ -93,7 +89,10 @@ fn owner_only(db: &std::path::Path) -> StoreResult<()> {
             .open(db)
         {
             if e.kind() != std::io::ErrorKind::AlreadyExists {
-                return Err(StoreError(format!("cannot create {}: {e}", db.display())));
+                return Err(StoreError::File(format!(
+                    "cannot create {}: {e}",
+                    db.display()
+                )));
             }
         }
         for suffix in ["", "-wal", "-shm", ".lock"] {
@@ -119,19 +118,22 @@ pub fn default_scope_secret(url: &str) -> StoreResult<Vec<u8>> {
     match std::fs::read_to_string(&path) {
         Ok(text) if text.trim().len() >= 32 => return Ok(text.trim().as_bytes().to_vec()),
         Ok(_) => {
-            return Err(StoreError(format!(
+            return Err(StoreError::File(format!(
                 "{} holds no usable secret (delete it only if the database is new)",
                 path.display()
             )))
         }
         Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(StoreError(format!("cannot read {}: {e}", path.display())))
+            return Err(StoreError::File(format!(
+                "cannot read {}: {e}",
+                path.display()
+            )))
         }
         Err(_) => {}
     }
     let mut bytes = [0u8; 32];
     ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
-        .map_err(|_| StoreError("no system randomness for the scope secret".into()))?;
+        .map_err(|_| StoreError::File("no system randomness for the scope secret".into()))?;
     let secret = hex::encode(bytes);
     let mut open = std::fs::OpenOptions::new();
     open.create_new(true).write(true);
@@ -142,7 +144,7 @@ pub fn default_scope_secret(url: &str) -> StoreResult<Vec<u8>> {
         f.write_all(secret.as_bytes())?;
         f.sync_all()
     });
-    written.map_err(|e| StoreError(format!("cannot create {}: {e}", path.display())))?;
+    written.map_err(|e| StoreError::File(format!("cannot create {}: {e}", path.display())))?;
     Ok(secret.into_bytes())
 }
 
@@ -188,9 +190,9 @@ fn lock_file(db: &std::path::Path) -> StoreResult<std::fs::File> {
     std::os::unix::fs::OpenOptionsExt::mode(&mut open, 0o600);
     let file = open
         .open(&path)
-        .map_err(|e| StoreError(format!("cannot open {}: {e}", path.display())))?;
+        .map_err(|e| StoreError::File(format!("cannot open {}: {e}", path.display())))?;
     file.try_lock().map_err(|_| {
-        StoreError(format!(
+        StoreError::InUse(format!(
             "{} is in use by another idemproxy serve process; SQLite serves one process (use PostgreSQL for several replicas)",
             db.display()
         ))
@@ -199,11 +201,19 @@ fn lock_file(db: &std::path::Path) -> StoreResult<std::fs::File> {
 }
 
 #[async_trait]
+impl EntityLocks for SqliteStore {}
+
+#[async_trait]
 impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
         "sqlite"
     }
-
+    async fn scope_secret(&self, id: &str) -> StoreResult<ScopeCheck> {
+        let id = id.to_owned();
+        self.writer
+            .write(move |c, _now| Box::pin(async move { meta::scope_secret(c, &id).await }))
+            .await
+    }
     fn advertise_admin(&self, addr: std::net::SocketAddr) {
         use std::io::{Seek, Write};
         if let Some(mut f) = self._lock.as_ref() {
@@ -216,159 +226,12 @@ impl Store for SqliteStore {
             }
         }
     }
-
-    async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
-        let row = sqlx::query(&format!(
-            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ? AND scope = ? AND key = ?"
-        ))
-        .bind(&id.upstream)
-        .bind(&id.scope)
-        .bind(&id.key)
-        .fetch_optional(&self.reads)
-        .await?;
-        row.as_ref().map(rows::key_record).transpose()
-    }
-
-    async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
-        self.writer.reserve(r).await
-    }
-
-    async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        self.writer.finish(id.clone(), epoch, outcome).await
-    }
-
-    async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
-        let id = id.clone();
-        let ms = lease.as_millis() as i64;
-        self.writer
-            .write(move |c, now| {
-                Box::pin(async move { writes::renew(c, &id, epoch, now.saturating_add(ms)).await })
-            })
-            .await
-    }
-
-    async fn release_key(&self, key: &str) -> StoreResult<u64> {
-        let key = key.to_owned();
-        self.writer
-            .write(move |c, now| Box::pin(async move { writes::release_key(c, &key, now).await }))
-            .await
-    }
-
-    async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
-        let rows = sqlx::query(&format!(
-            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE key = ? ORDER BY created_at"
-        ))
-        .bind(key)
-        .fetch_all(&self.reads)
-        .await?;
-        rows.iter().map(rows::key_record).collect()
-    }
-
-    async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
-        let rows = sqlx::query(&format!(
-            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE (?1 IS NULL OR {EFFECTIVE_STATE} = ?1) \
-             AND (?2 IS NULL OR EXISTS (SELECT 1 FROM json_each(idem_keys.entities) WHERE {})) \
-             ORDER BY updated_at DESC LIMIT ?3",
-            names_entity("value", "?2")
-        ))
-        .bind(f.state.map(KeyState::as_str))
-        .bind(f.entity.as_deref())
-        .bind(if f.limit > 0 { f.limit } else { 100 })
-        .bind(now_ms())
-        .fetch_all(&self.reads)
-        .await?;
-        rows.iter().map(rows::key_record).collect()
-    }
-
-    async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
-        let rows = sqlx::query(
-            &format!("SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE entity IN (SELECT value FROM json_each(?))"),
-        )
-        .bind(encode_entities(entities))
-        .fetch_all(&self.reads)
-        .await?;
-        rows.iter().map(rows::entity_state).collect()
-    }
-
-    async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
-        let entity = entity.to_owned();
-        self.writer
-            .write(move |c, now| {
-                Box::pin(async move { writes::release_claims(c, &entity, now).await })
-            })
-            .await
-    }
-
-    async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>> {
-        let rows = sqlx::query(&format!(
-            "SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE {} ORDER BY entity LIMIT 100",
-            names_entity("entity", "?1")
-        ))
-        .bind(entity)
-        .fetch_all(&self.reads)
-        .await?;
-        rows.iter().map(rows::entity_state).collect()
-    }
-
-    async fn reset_version(&self, entity: &str) -> StoreResult<u64> {
-        let entity = entity.to_owned();
-        self.writer
-            .write(move |c, now| {
-                Box::pin(async move { writes::reset_version(c, &entity, now).await })
-            })
-            .await
-    }
-
-    async fn scope_secret(&self, id: &str) -> StoreResult<ScopeCheck> {
-        let id = id.to_owned();
-        self.writer
-            .write(move |c, _now| Box::pin(async move { writes::scope_secret(c, &id).await }))
-            .await
-    }
-
-    async fn append_audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
-        self.writer.audit(rows).await
-    }
-
-    async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
-        let rows = sqlx::query(&format!(
-            "SELECT {AUDIT_COLUMNS} FROM idem_audit \
-             WHERE EXISTS (SELECT 1 FROM json_each(idem_audit.entities) WHERE {}) ORDER BY id DESC LIMIT ?2",
-            names_entity("value", "?1")
-        ))
-        .bind(entity)
-        .bind(limit)
-        .fetch_all(&self.reads)
-        .await?;
-        rows.iter().map(rows::audit_row).collect()
-    }
-
-    async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
-        let rows = sqlx::query(&format!(
-            "SELECT {AUDIT_COLUMNS} FROM idem_audit WHERE key = ? ORDER BY id DESC LIMIT ?"
-        ))
-        .bind(key)
-        .bind(limit)
-        .fetch_all(&self.reads)
-        .await?;
-        rows.iter().map(rows::audit_row).collect()
-    }
-
-    async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64> {
-        self.writer
-            .write(move |c, now| {
-                Box::pin(async move { writes::purge(c, now, batch, released_before).await })
-            })
-            .await
-    }
-
     async fn ping(&self) -> StoreResult<()> {
         sqlx::query("SELECT 1").execute(&self.reads).await?;
         self.writer
-            .write(|c, now| Box::pin(async move { writes::probe(c, now).await }))
+            .write(|c, now| Box::pin(async move { meta::probe(c, now).await }))
             .await
     }
-
     async fn close(&self) {
         // Queued writes run first; then the writer stops.
         self.writer.close().await;

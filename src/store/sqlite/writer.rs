@@ -25,7 +25,7 @@ type Reply<T> = oneshot::Sender<StoreResult<T>>;
 fn deliver<T: Send + 'static>(reply: Reply<T>, res: StoreResult<T>) -> Delivery {
     Box::new(move |failure: Option<&str>| {
         let _ = reply.send(match failure {
-            Some(msg) => Err(StoreError(msg.to_owned())),
+            Some(msg) => Err(StoreError::Unavailable(msg.to_owned())),
             None => res,
         });
     })
@@ -96,8 +96,7 @@ impl Writer {
         let (reply, rx) = oneshot::channel();
         self.tx.send(msg(reply)).await.map_err(|_| stopped())?;
         // A dropped reply means the batch could not even begin (logged by the writer).
-        rx.await
-            .map_err(|_| StoreError("the SQLite store cannot write (see the log)".into()))?
+        rx.await.map_err(|_| StoreError::Closed)?
     }
 
     /// Flushes queued writes, then stops the task.
@@ -114,7 +113,7 @@ impl Writer {
 }
 
 fn stopped() -> StoreError {
-    StoreError("the SQLite writer has stopped".into())
+    StoreError::Closed
 }
 
 /// One batch, sorted by kind.
@@ -173,11 +172,7 @@ fn deliver_all<T: Send + 'static>(
                 .zip(values)
                 .map(|(r, v)| deliver(r, Ok(v))),
         ),
-        Err(e) => done.extend(
-            replies
-                .into_iter()
-                .map(|r| deliver(r, Err(StoreError(e.0.clone())))),
-        ),
+        Err(e) => done.extend(replies.into_iter().map(|r| deliver(r, Err(e.clone())))),
     }
 }
 
@@ -200,7 +195,7 @@ async fn run_batch(conn: &mut SqliteConnection, batch: Batch) {
     let mut done: Vec<Delivery> = Vec::new();
     if !batch.reserves.is_empty() {
         let (rs, replies): (Vec<_>, Vec<_>) = batch.reserves.into_iter().unzip();
-        let res = super::batch::reserve_many(conn, &rs, now).await;
+        let res = super::keys::reserve_many(conn, &rs, now).await;
         deliver_all(replies, res, &mut done);
     }
     if !batch.finishes.is_empty() {
@@ -209,13 +204,13 @@ async fn run_batch(conn: &mut SqliteConnection, batch: Batch) {
             .into_iter()
             .map(|(id, e, f, r)| ((id, e, f), r))
             .unzip();
-        let res = super::batch::finish_many(conn, fs, now).await;
+        let res = super::keys::finish_many(conn, fs, now).await;
         deliver_all(replies, res, &mut done);
     }
     if !batch.audits.is_empty() {
         let (rows, replies): (Vec<_>, Vec<_>) = batch.audits.into_iter().unzip();
         let rows: Vec<AuditRow> = rows.into_iter().flatten().collect();
-        let res = super::writes::append_audit(conn, &rows).await;
+        let res = super::audit::append_audit(conn, &rows).await;
         let n = replies.len();
         deliver_all(replies, res.map(|()| vec![(); n]), &mut done);
     }

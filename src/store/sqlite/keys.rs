@@ -1,13 +1,10 @@
-//! Multi-row statements for the writes every request makes: all reservations of a batch in
+//! Keys on SQLite. Multi-row statements for the writes every request makes: all reservations of a batch in
 //! one upsert, all outcomes in one update. sqlx hands each SQLite statement to a worker
 //! thread (tens of µs a trip), so a statement per batch rather than per request is what lets
 //! the writer keep up with many concurrent first writes.
 
-use super::writes::apply_effects;
-use super::KEY_COLUMNS;
-use crate::store::codec::encode_entities;
-use crate::store::rows;
-use crate::store::{Finish, Reservation, Reserved, ScopedKey, StoreResult};
+use super::entities::apply_effects;
+use super::*;
 use sqlx::{QueryBuilder, Row, Sqlite, SqliteConnection};
 
 /// Rows per statement: SQLite binds at most 32766 variables.
@@ -53,21 +50,12 @@ pub async fn reserve_many(
                     .push_bind(now)
                     .push_bind(now);
             });
-            qb.push(
-                " ON CONFLICT (upstream, scope, key) DO UPDATE SET \
-                   fingerprint = excluded.fingerprint, route = excluded.route, entities = excluded.entities, \
-                   state = 'in_flight', owner = excluded.owner, lease_until = excluded.lease_until, \
-                   epoch = idem_keys.epoch + 1, attempts = idem_keys.attempts + 1, updated_at = excluded.updated_at, \
-                   status = NULL, headers = NULL, body = NULL, expires_at = NULL \
-                 WHERE idem_keys.state = 'released' \
-                    OR (idem_keys.state = 'completed' AND idem_keys.expires_at < excluded.updated_at)",
-            );
-            if take_unknown {
-                qb.push(
-                    " OR idem_keys.state = 'unknown' \
-                      OR (idem_keys.state = 'in_flight' AND idem_keys.lease_until <= excluded.updated_at)",
-                );
-            }
+            let take = if take_unknown { "TRUE" } else { "FALSE" };
+            qb.push(format!(
+                " ON CONFLICT (upstream, scope, key) DO UPDATE SET {} WHERE {}",
+                rules::RESERVE_SET,
+                rules::reservable(take)
+            ));
             qb.push(" RETURNING upstream, scope, key, epoch");
             for row in qb.build().fetch_all(&mut *conn).await? {
                 // The first still-open request of this key owns it (a key twice in one batch:
@@ -156,4 +144,96 @@ pub async fn finish_many(
         }
     }
     Ok(owned)
+}
+
+pub async fn renew(
+    conn: &mut SqliteConnection,
+    id: &ScopedKey,
+    epoch: i64,
+    until: i64,
+) -> StoreResult<bool> {
+    let res = sqlx::query(
+        "UPDATE idem_keys SET lease_until = ? WHERE upstream = ? AND scope = ? AND key = ? AND state = 'in_flight' AND epoch = ?",
+    )
+    .bind(until)
+    .bind(&id.upstream)
+    .bind(&id.scope)
+    .bind(&id.key)
+    .bind(epoch)
+    .execute(&mut *conn)
+    .await?;
+    Ok(res.rows_affected() == 1)
+}
+
+pub async fn release_key(conn: &mut SqliteConnection, key: &str, now: i64) -> StoreResult<u64> {
+    let res = sqlx::query(&format!(
+        "UPDATE idem_keys SET state = 'released', owner = NULL, updated_at = ?1 WHERE key = ?2 AND {}",
+        rules::releasable("?1")
+    ))
+    .bind(now)
+    .bind(key)
+    .execute(&mut *conn)
+    .await?;
+    Ok(res.rows_affected())
+}
+
+#[async_trait]
+impl Keys for SqliteStore {
+    async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
+        let row = sqlx::query(&format!(
+            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ? AND scope = ? AND key = ?"
+        ))
+        .bind(&id.upstream)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .fetch_optional(&self.reads)
+        .await?;
+        row.as_ref().map(rows::key_record).transpose()
+    }
+    async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
+        self.writer.reserve(r).await
+    }
+    async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
+        self.writer.finish(id.clone(), epoch, outcome).await
+    }
+    async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
+        let id = id.clone();
+        let ms = lease.as_millis() as i64;
+        self.writer
+            .write(move |c, now| {
+                Box::pin(async move { renew(c, &id, epoch, now.saturating_add(ms)).await })
+            })
+            .await
+    }
+    async fn release_key(&self, key: &str) -> StoreResult<u64> {
+        let key = key.to_owned();
+        self.writer
+            .write(move |c, now| Box::pin(async move { release_key(c, &key, now).await }))
+            .await
+    }
+    async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE key = ? ORDER BY created_at"
+        ))
+        .bind(key)
+        .fetch_all(&self.reads)
+        .await?;
+        rows.iter().map(rows::key_record).collect()
+    }
+    async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE (?1 IS NULL OR {} = ?1) \
+             AND (?2 IS NULL OR EXISTS (SELECT 1 FROM json_each(idem_keys.entities) WHERE {})) \
+             ORDER BY updated_at DESC LIMIT ?3",
+            rules::effective_state("?4"),
+            names_entity("value", "?2")
+        ))
+        .bind(f.state.map(KeyState::as_str))
+        .bind(f.entity.as_deref())
+        .bind(if f.limit > 0 { f.limit } else { 100 })
+        .bind(now_ms())
+        .fetch_all(&self.reads)
+        .await?;
+        rows.iter().map(rows::key_record).collect()
+    }
 }

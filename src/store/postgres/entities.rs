@@ -1,11 +1,8 @@
-//! PostgreSQL: entity state (versions, claims), the audit trail, retention.
+//! Entity state on PostgreSQL: versions and claims, each change fenced on the writer's entity
+//! lease.
 
-use super::NOW;
-use crate::store::codec::encode_entities;
-use crate::store::rows::{self, AUDIT_COLUMNS_PG, ENTITY_COLUMNS};
-use crate::store::{
-    names_entity, AuditRow, Effects, EntityState, ScopeCheck, ScopedKey, StoreResult, LEGACY_SCOPE,
-};
+use super::*;
+use crate::store::rows::{self, ENTITY_COLUMNS};
 use sqlx::{PgPool, Postgres, Transaction};
 
 /// Applies a 2xx write's effects, each fenced on our entity lease: a replica whose lease was
@@ -117,103 +114,32 @@ pub async fn reset_version(pool: &PgPool, entity: &str) -> StoreResult<u64> {
     Ok(res.rows_affected())
 }
 
-pub async fn scope_secret(pool: &PgPool, id: &str) -> StoreResult<ScopeCheck> {
-    sqlx::query("INSERT INTO idem_meta (name, value) VALUES ('scope_secret_id', $1) ON CONFLICT (name) DO NOTHING")
-        .bind(id)
-        .execute(pool)
-        .await?;
-    let recorded: String =
-        sqlx::query_scalar("SELECT value FROM idem_meta WHERE name = 'scope_secret_id'")
-            .fetch_one(pool)
-            .await?;
-    let legacy_keys: bool = sqlx::query_scalar(&format!(
-        "SELECT EXISTS (SELECT 1 FROM idem_keys WHERE {LEGACY_SCOPE})"
-    ))
-    .fetch_one(pool)
-    .await?;
-    Ok(ScopeCheck {
-        recorded,
-        legacy_keys,
-    })
-}
-
-/// One multi-row insert for the whole batch.
-pub async fn append_audit(pool: &PgPool, rows: &[AuditRow]) -> StoreResult<()> {
-    if rows.is_empty() {
-        return Ok(());
+#[async_trait]
+impl EntityStates for PgStore {
+    async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
+        let mut states = entity_states(&self.pool, entities).await?;
+        for s in &mut states {
+            s.updated_at = self.clock.to_local(s.updated_at);
+            if let Some(c) = &mut s.claim {
+                c.until = self.clock.to_local(c.until);
+            }
+        }
+        Ok(states)
     }
-    let mut qb = sqlx::QueryBuilder::<Postgres>::new(
-        "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-         total_ms, lock_wait_ms, upstream_ms, expires_at) ",
-    );
-    qb.push_values(rows, |mut b, r| {
-        b.push_bind(r.at)
-            .push_bind(&r.upstream)
-            .push_bind(&r.route)
-            .push_bind(encode_entities(&r.entities))
-            .push_unseparated("::jsonb")
-            .push_bind(&r.key)
-            .push_bind(&r.fingerprint)
-            .push_bind(&r.decision)
-            .push_bind(r.upstream_status.map(i32::from))
-            .push_bind(r.total_ms)
-            .push_bind(r.lock_wait_ms)
-            .push_bind(r.upstream_ms)
-            .push_bind(r.expires_at);
-    });
-    qb.build().execute(pool).await?;
-    Ok(())
-}
-
-pub async fn audit_where(
-    pool: &PgPool,
-    condition: &str,
-    arg: &str,
-    limit: i64,
-) -> StoreResult<Vec<AuditRow>> {
-    let rows = sqlx::query(&format!(
-        "SELECT {AUDIT_COLUMNS_PG} FROM idem_audit WHERE {condition} ORDER BY id DESC LIMIT $2"
-    ))
-    .bind(arg)
-    .bind(limit)
-    .fetch_all(pool)
-    .await?;
-    rows.iter().map(rows::audit_row).collect()
-}
-
-/// One small batch of each kind of expired row; each statement is short, so purging never
-/// holds locks that requests wait on for long.
-pub async fn purge(pool: &PgPool, batch: i64, released_before: i64) -> StoreResult<u64> {
-    let now: i64 = sqlx::query_scalar(&format!("SELECT {NOW}"))
-        .fetch_one(pool)
-        .await?;
-    let mut n = 0;
-    let by_time = [
-        ("DELETE FROM idem_keys WHERE ctid = ANY(ARRAY(SELECT ctid FROM idem_keys \
-          WHERE state = 'completed' AND expires_at < $1 LIMIT $2))", now),
-        ("DELETE FROM idem_keys WHERE ctid = ANY(ARRAY(SELECT ctid FROM idem_keys \
-          WHERE state = 'released' AND updated_at < $1 LIMIT $2))", released_before),
-        ("DELETE FROM idem_audit WHERE id = ANY(ARRAY(SELECT id FROM idem_audit WHERE expires_at < $1 LIMIT $2))", now),
-        ("UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL \
-          WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entities WHERE claim_until < $1 LIMIT $2))", now),
-        ("DELETE FROM idem_entity_leases WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entity_leases \
-          WHERE owner IS NULL AND lease_until < $1 LIMIT $2))", now),
-    ];
-    for (sql, before) in by_time {
-        n += sqlx::query(sql)
-            .bind(before)
-            .bind(batch)
-            .execute(pool)
-            .await?
-            .rows_affected();
+    async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
+        release_claim(&self.pool, entity).await
     }
-    n += sqlx::query(
-        "DELETE FROM idem_entities WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entities \
-         WHERE version IS NULL AND claim_key IS NULL LIMIT $1))",
-    )
-    .bind(batch)
-    .execute(pool)
-    .await?
-    .rows_affected();
-    Ok(n)
+    async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>> {
+        let mut states = find_entities(&self.pool, entity).await?;
+        for s in &mut states {
+            s.updated_at = self.clock.to_local(s.updated_at);
+            if let Some(c) = &mut s.claim {
+                c.until = self.clock.to_local(c.until);
+            }
+        }
+        Ok(states)
+    }
+    async fn reset_version(&self, entity: &str) -> StoreResult<u64> {
+        reset_version(&self.pool, entity).await
+    }
 }

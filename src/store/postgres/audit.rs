@@ -1,0 +1,111 @@
+//! The audit trail and retention on PostgreSQL.
+
+use super::*;
+use crate::store::codec::encode_entities;
+use crate::store::rows::{self, AUDIT_COLUMNS_PG};
+use sqlx::{PgPool, Postgres};
+
+/// One multi-row insert for the whole batch.
+pub async fn append_audit(pool: &PgPool, rows: &[AuditRow]) -> StoreResult<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    let mut qb = sqlx::QueryBuilder::<Postgres>::new(
+        "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
+         total_ms, lock_wait_ms, upstream_ms, expires_at) ",
+    );
+    qb.push_values(rows, |mut b, r| {
+        b.push_bind(r.at)
+            .push_bind(&r.upstream)
+            .push_bind(&r.route)
+            .push_bind(encode_entities(&r.entities))
+            .push_unseparated("::jsonb")
+            .push_bind(&r.key)
+            .push_bind(&r.fingerprint)
+            .push_bind(&r.decision)
+            .push_bind(r.upstream_status.map(i32::from))
+            .push_bind(r.total_ms)
+            .push_bind(r.lock_wait_ms)
+            .push_bind(r.upstream_ms)
+            .push_bind(r.expires_at);
+    });
+    qb.build().execute(pool).await?;
+    Ok(())
+}
+
+pub async fn audit_where(
+    pool: &PgPool,
+    condition: &str,
+    arg: &str,
+    limit: i64,
+) -> StoreResult<Vec<AuditRow>> {
+    let rows = sqlx::query(&format!(
+        "SELECT {AUDIT_COLUMNS_PG} FROM idem_audit WHERE {condition} ORDER BY id DESC LIMIT $2"
+    ))
+    .bind(arg)
+    .bind(limit)
+    .fetch_all(pool)
+    .await?;
+    rows.iter().map(rows::audit_row).collect()
+}
+
+/// One small batch of each kind of expired row; each statement is short, so purging never
+/// holds locks that requests wait on for long.
+pub async fn purge(pool: &PgPool, batch: i64, released_before: i64) -> StoreResult<u64> {
+    let now: i64 = sqlx::query_scalar(&format!("SELECT {NOW}"))
+        .fetch_one(pool)
+        .await?;
+    let mut n = 0;
+    let by_time = [
+        ("DELETE FROM idem_keys WHERE ctid = ANY(ARRAY(SELECT ctid FROM idem_keys \
+          WHERE state = 'completed' AND expires_at < $1 LIMIT $2))", now),
+        ("DELETE FROM idem_keys WHERE ctid = ANY(ARRAY(SELECT ctid FROM idem_keys \
+          WHERE state = 'released' AND updated_at < $1 LIMIT $2))", released_before),
+        ("DELETE FROM idem_audit WHERE id = ANY(ARRAY(SELECT id FROM idem_audit WHERE expires_at < $1 LIMIT $2))", now),
+        ("UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL \
+          WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entities WHERE claim_until < $1 LIMIT $2))", now),
+        ("DELETE FROM idem_entity_leases WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entity_leases \
+          WHERE owner IS NULL AND lease_until < $1 LIMIT $2))", now),
+    ];
+    for (sql, before) in by_time {
+        n += sqlx::query(sql)
+            .bind(before)
+            .bind(batch)
+            .execute(pool)
+            .await?
+            .rows_affected();
+    }
+    n += sqlx::query(
+        "DELETE FROM idem_entities WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entities \
+         WHERE version IS NULL AND claim_key IS NULL LIMIT $1))",
+    )
+    .bind(batch)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    Ok(n)
+}
+
+#[async_trait]
+impl AuditLog for PgStore {
+    async fn append_audit(&self, mut rows: Vec<AuditRow>) -> StoreResult<()> {
+        // Purged against the database clock.
+        for r in &mut rows {
+            r.expires_at = self.clock.to_db(r.expires_at);
+        }
+        append_audit(&self.pool, &rows).await
+    }
+    async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
+        let names = format!(
+            "EXISTS (SELECT 1 FROM jsonb_array_elements_text(entities) AS e(value) WHERE {})",
+            names_entity("e.value", "$1")
+        );
+        audit_where(&self.pool, &names, entity, limit).await
+    }
+    async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
+        audit_where(&self.pool, "key = $1", key, limit).await
+    }
+    async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64> {
+        purge(&self.pool, batch, self.clock.to_db(released_before)).await
+    }
+}

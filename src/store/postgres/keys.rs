@@ -1,0 +1,141 @@
+//! Keys on PostgreSQL: reserve, finish and renew, fenced on the record's epoch; each change of
+//! a key is NOTIFYed so waiters in other replicas wake without polling.
+
+use super::*;
+
+#[async_trait]
+impl Keys for PgStore {
+    async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
+        let row = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM idem_keys WHERE upstream = $1 AND scope = $2 AND key = $3"
+        ))
+        .bind(&id.upstream)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(self.clock.records(row.as_slice())?.pop())
+    }
+    async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
+        let row = sqlx::query(&format!(
+            "INSERT INTO idem_keys (upstream, scope, key, fingerprint, route, entities, state, owner, lease_until, epoch, attempts, created_at, updated_at) \
+             SELECT $1, $2, $3, $4, $5, $6::jsonb, 'in_flight', $7, now_ms + $8, 1, 1, now_ms, now_ms FROM (SELECT {NOW} AS now_ms) t \
+             ON CONFLICT (upstream, scope, key) DO UPDATE SET {} WHERE {} RETURNING epoch",
+            rules::RESERVE_SET,
+            rules::reservable("$9")
+        ))
+        .bind(&r.id.upstream)
+        .bind(&r.id.scope)
+        .bind(&r.id.key)
+        .bind(&r.fingerprint)
+        .bind(&r.route)
+        .bind(codec::encode_entities(&r.entities))
+        .bind(&r.owner)
+        .bind(lease_ms(r.lease))
+        .bind(r.take_unknown)
+        .fetch_optional(&self.pool)
+        .await?;
+        if let Some(row) = row {
+            return Ok(Reserved::Owned {
+                epoch: row.try_get(0)?,
+            });
+        }
+        match self.get(&r.id).await? {
+            Some(rec) => Ok(Reserved::Existing(Box::new(rec))),
+            None => Err(StoreError::Corrupt(
+                "the key vanished while it was being reserved".into(),
+            )),
+        }
+    }
+    async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
+        let c = outcome.into_columns();
+        // One transaction: the answer and its effects stand or fall together; the
+        // notification goes out at commit.
+        let mut tx = self.pool.begin().await?;
+        let rows = sqlx::query(&format!(
+            "WITH u AS (UPDATE idem_keys SET state = $1, status = $2, headers = $3, body = $4, expires_at = $5, \
+               owner = NULL, updated_at = {NOW} \
+             WHERE upstream = $6 AND scope = $7 AND key = $8 AND state = 'in_flight' AND epoch = $9 \
+             RETURNING upstream, scope, key) \
+             SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u"
+        ))
+        .bind(c.state.as_str())
+        .bind(c.status.map(i32::from))
+        .bind(c.headers)
+        .bind(c.body.as_deref())
+        .bind(c.expires_at.map(|t| self.clock.to_db(t)))
+        .bind(&id.upstream)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .bind(epoch)
+        .fetch_all(&mut *tx)
+        .await?;
+        let owned = rows.len() == 1;
+        if owned && !c.effects.is_empty() {
+            let mut effects = c.effects;
+            effects.claim_until = effects.claim_until.map(|t| self.clock.to_db(t));
+            entities::apply_effects(&mut tx, id, &effects).await?;
+        }
+        tx.commit().await?;
+        Ok(owned)
+    }
+    async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
+        let res = sqlx::query(&format!(
+            "UPDATE idem_keys SET lease_until = {NOW} + $1 \
+             WHERE upstream = $2 AND scope = $3 AND key = $4 AND state = 'in_flight' AND epoch = $5"
+        ))
+        .bind(lease_ms(lease))
+        .bind(&id.upstream)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .bind(epoch)
+        .execute(&self.pool)
+        .await?;
+        Ok(res.rows_affected() == 1)
+    }
+    fn subscribe_key(&self, id: &ScopedKey) -> Option<tokio::sync::watch::Receiver<u64>> {
+        Some(self.hub.subscribe(&key_topic(id)))
+    }
+    async fn release_key(&self, key: &str) -> StoreResult<u64> {
+        let rows = sqlx::query(&format!(
+            "WITH u AS (UPDATE idem_keys SET state = 'released', owner = NULL, updated_at = {NOW} \
+             WHERE key = $1 AND {} \
+             RETURNING upstream, scope, key) \
+             SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text, \
+                    pg_notify('{CHANNEL}', '{RELEASED_PREFIX}' || key)::text FROM u",
+            rules::releasable(NOW)
+        ))
+        .bind(key)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.len() as u64)
+    }
+    async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM idem_keys WHERE key = $1 ORDER BY created_at"
+        ))
+        .bind(key)
+        .fetch_all(&self.pool)
+        .await?;
+        self.clock.records(&rows)
+    }
+    async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM idem_keys WHERE ($1::text IS NULL OR \
+               {} = $1) \
+             AND ($2::text IS NULL OR EXISTS (SELECT 1 FROM jsonb_array_elements_text(entities) AS e(value) WHERE {})) \
+             ORDER BY updated_at DESC LIMIT $3",
+            rules::effective_state(NOW),
+            names_entity("e.value", "$2")
+        ))
+        .bind(f.state.map(KeyState::as_str))
+        .bind(f.entity.as_deref())
+        .bind(if f.limit > 0 { f.limit } else { 100 })
+        .fetch_all(&self.pool)
+        .await?;
+        self.clock.records(&rows)
+    }
+    fn observe_releases(&self, f: ReleaseObserver) {
+        self.hub.set_observer(f);
+    }
+}

@@ -1,0 +1,154 @@
+//! Entity leases on PostgreSQL: one row per entity with its owner, a fencing epoch and a lease
+//! on the database clock; waiters wake on NOTIFY when a lease is released.
+
+use super::*;
+
+/// Result of one attempt at an entity lease.
+enum Attempt {
+    Acquired(i64),
+    /// Held by someone else for about this long.
+    HeldFor(Duration),
+}
+
+impl PgStore {
+    async fn try_lease(&self, entity: &str, owner: &str, lease: Duration) -> StoreResult<Attempt> {
+        let row = sqlx::query(&format!(
+            "INSERT INTO idem_entity_leases (entity, owner, epoch, lease_until) VALUES ($1, $2, 1, {NOW} + $3) \
+             ON CONFLICT (entity) DO UPDATE SET owner = excluded.owner, epoch = idem_entity_leases.epoch + 1, \
+               lease_until = excluded.lease_until \
+             WHERE idem_entity_leases.owner IS NULL OR idem_entity_leases.lease_until <= excluded.lease_until - $3 \
+             RETURNING epoch"
+        ))
+        .bind(entity)
+        .bind(owner)
+        .bind(lease_ms(lease))
+        .fetch_optional(&self.pool)
+        .await?;
+        if let Some(row) = row {
+            return Ok(Attempt::Acquired(row.try_get(0)?));
+        }
+        let left: Option<i64> = sqlx::query_scalar(&format!(
+            "SELECT lease_until - {NOW} FROM idem_entity_leases WHERE entity = $1"
+        ))
+        .bind(entity)
+        .fetch_optional(&self.pool)
+        .await?;
+        Ok(Attempt::HeldFor(Duration::from_millis(
+            left.unwrap_or(0).max(0) as u64,
+        )))
+    }
+}
+
+#[async_trait]
+impl EntityLocks for PgStore {
+    async fn lock_entities(
+        &self,
+        entities: &[String],
+        owner: &str,
+        lease: Duration,
+        timeout: Duration,
+    ) -> StoreResult<Option<Vec<EntityLease>>> {
+        let deadline = Instant::now() + timeout;
+        let every = (lease / 3).max(Duration::from_millis(50));
+        // When the leases already taken are next due for renewal: kept across wake-ups, so a
+        // busy entity that keeps changing hands cannot postpone it.
+        let mut renew_at = Instant::now() + every;
+        let mut held = Vec::with_capacity(entities.len());
+        for entity in entities {
+            loop {
+                let mut woken = self.hub.subscribe(&entity_topic(entity));
+                let attempt = match self.try_lease(entity, owner, lease).await {
+                    Ok(a) => a,
+                    Err(e) => {
+                        let _ = self.unlock_entities(&held, owner).await;
+                        return Err(e);
+                    }
+                };
+                match attempt {
+                    Attempt::Acquired(epoch) => {
+                        if held.is_empty() {
+                            renew_at = Instant::now() + every;
+                        }
+                        held.push(EntityLease {
+                            entity: entity.clone(),
+                            epoch,
+                        });
+                        break;
+                    }
+                    Attempt::HeldFor(left) => {
+                        if Instant::now() >= deadline {
+                            let _ = self.unlock_entities(&held, owner).await;
+                            return Ok(None);
+                        }
+                        // Woken by the holder's release, or when its lease would run out — and
+                        // never later than a third of our own lease, so the leases already
+                        // taken are renewed while we wait for the next one.
+                        let wake = (Instant::now() + left + Duration::from_millis(1)).min(deadline);
+                        tokio::select! {
+                            _ = woken.changed() => {}
+                            _ = tokio::time::sleep_until(if held.is_empty() { wake } else { wake.min(renew_at) }) => {}
+                        }
+                        if !held.is_empty() && Instant::now() >= renew_at {
+                            renew_at = Instant::now() + every;
+                            match self.renew_entities(&held, owner, lease).await {
+                                Ok(lost) if lost.is_empty() => {}
+                                Ok(_) => {
+                                    let _ = self.unlock_entities(&held, owner).await;
+                                    return Ok(None);
+                                }
+                                Err(e) => {
+                                    let _ = self.unlock_entities(&held, owner).await;
+                                    return Err(e);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Some(held))
+    }
+    async fn renew_entities(
+        &self,
+        leases: &[EntityLease],
+        owner: &str,
+        lease: Duration,
+    ) -> StoreResult<Vec<String>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (names, epochs): (Vec<String>, Vec<i64>) =
+            leases.iter().map(|l| (l.entity.clone(), l.epoch)).unzip();
+        let kept: Vec<String> = sqlx::query_scalar(&format!(
+            "UPDATE idem_entity_leases SET lease_until = {NOW} + $3 \
+             WHERE owner = $1 AND (entity, epoch) IN (SELECT * FROM unnest($2::text[], $4::bigint[])) \
+             RETURNING entity"
+        ))
+        .bind(owner)
+        .bind(&names)
+        .bind(lease_ms(lease))
+        .bind(&epochs)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(names.into_iter().filter(|n| !kept.contains(n)).collect())
+    }
+    async fn unlock_entities(&self, leases: &[EntityLease], owner: &str) -> StoreResult<()> {
+        if leases.is_empty() {
+            return Ok(());
+        }
+        let (names, epochs): (Vec<String>, Vec<i64>) =
+            leases.iter().map(|l| (l.entity.clone(), l.epoch)).unzip();
+        sqlx::query(&format!(
+            "WITH u AS (UPDATE idem_entity_leases SET owner = NULL, lease_until = 0 \
+             WHERE owner = $1 AND (entity, epoch) IN (SELECT * FROM unnest($2::text[], $3::bigint[])) \
+             RETURNING entity) \
+             SELECT pg_notify('{CHANNEL}', 'e:' || entity)::text FROM u"
+        ))
+        .bind(owner)
+        .bind(&names)
+        .bind(&epochs)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,104 @@
+//! The audit trail and retention on SQLite.
+
+use super::*;
+use sqlx::SqliteConnection;
+
+/// One multi-row insert for the whole batch (one statement, not one per row).
+pub async fn append_audit(conn: &mut SqliteConnection, rows: &[AuditRow]) -> StoreResult<()> {
+    // Fixed-size chunks: a handful of statement shapes, each prepared once and cached,
+    // instead of a new statement (and a new prepare) for every batch size.
+    for chunk in rows.chunks(64) {
+        let mut qb = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+            "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
+             total_ms, lock_wait_ms, upstream_ms, expires_at) ",
+        );
+        qb.push_values(chunk, |mut b, r| {
+            b.push_bind(r.at)
+                .push_bind(&r.upstream)
+                .push_bind(&r.route)
+                .push_bind(encode_entities(&r.entities))
+                .push_bind(&r.key)
+                .push_bind(&r.fingerprint)
+                .push_bind(&r.decision)
+                .push_bind(r.upstream_status.map(i64::from))
+                .push_bind(r.total_ms)
+                .push_bind(r.lock_wait_ms)
+                .push_bind(r.upstream_ms)
+                .push_bind(r.expires_at);
+        });
+        qb.build().execute(&mut *conn).await?;
+    }
+    Ok(())
+}
+
+/// One small batch of each kind of expired row.
+pub async fn purge(
+    conn: &mut SqliteConnection,
+    now: i64,
+    batch: i64,
+    released_before: i64,
+) -> StoreResult<u64> {
+    let by_time = [
+        ("DELETE FROM idem_keys WHERE (upstream, scope, key) IN (SELECT upstream, scope, key FROM idem_keys \
+          WHERE state = 'completed' AND expires_at < ?1 LIMIT ?2)", now),
+        ("DELETE FROM idem_keys WHERE (upstream, scope, key) IN (SELECT upstream, scope, key FROM idem_keys \
+          WHERE state = 'released' AND updated_at < ?1 LIMIT ?2)", released_before),
+        ("DELETE FROM idem_audit WHERE id IN (SELECT id FROM idem_audit WHERE expires_at < ?1 LIMIT ?2)", now),
+        ("UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL \
+          WHERE entity IN (SELECT entity FROM idem_entities WHERE claim_until < ?1 LIMIT ?2)", now),
+    ];
+    let mut n = 0;
+    for (sql, before) in by_time {
+        n += sqlx::query(sql)
+            .bind(before)
+            .bind(batch)
+            .execute(&mut *conn)
+            .await?
+            .rows_affected();
+    }
+    n += sqlx::query(
+        "DELETE FROM idem_entities WHERE entity IN (SELECT entity FROM idem_entities \
+         WHERE version IS NULL AND claim_key IS NULL LIMIT ?1)",
+    )
+    .bind(batch)
+    .execute(&mut *conn)
+    .await?
+    .rows_affected();
+    Ok(n)
+}
+
+#[async_trait]
+impl AuditLog for SqliteStore {
+    async fn append_audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
+        self.writer.audit(rows).await
+    }
+    async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {AUDIT_COLUMNS} FROM idem_audit \
+             WHERE EXISTS (SELECT 1 FROM json_each(idem_audit.entities) WHERE {}) ORDER BY id DESC LIMIT ?2",
+            names_entity("value", "?1")
+        ))
+        .bind(entity)
+        .bind(limit)
+        .fetch_all(&self.reads)
+        .await?;
+        rows.iter().map(rows::audit_row).collect()
+    }
+    async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
+        let rows = sqlx::query(&format!(
+            "SELECT {AUDIT_COLUMNS} FROM idem_audit WHERE key = ? ORDER BY id DESC LIMIT ?"
+        ))
+        .bind(key)
+        .bind(limit)
+        .fetch_all(&self.reads)
+        .await?;
+        rows.iter().map(rows::audit_row).collect()
+    }
+    async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64> {
+        self.writer
+            .write(move |c, now| {
+                Box::pin(async move { purge(c, now, batch, released_before).await })
+            })
+            .await
+    }
+}
