@@ -121,7 +121,6 @@ async fn admin_api(state: &AppState, method: &Method, path: &str) -> Response<Pr
             })
         }
         (&Method::POST, ["keys", key, "release"]) => state.store.release_key(key).await.map(|n| {
-            state.cache.forget_key(key);
             tracing::info!(key, released = n, "key released by the admin API");
             json_response(StatusCode::OK, json!({"key": key, "released": n}))
         }),

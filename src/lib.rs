@@ -20,9 +20,10 @@
 //!   and forms, path patterns.
 //! - [`key`]: client keys, derived keys, fingerprints, credential scopes.
 //! - [`locks`]: in-process one-holder/many-waiters locks for keys and entities.
-//! - [`store`]: the durable store trait and its SQLite backend (group commit).
+//! - [`store`]: the durable store: four small interfaces by concern (keys, entity locks,
+//!   entity states, audit), SQLite (one process, group commit) and PostgreSQL (replicas,
+//!   leases, NOTIFY) backends, and the replay cache as a layer in front of either.
 //! - [`audit`]: the audit trail (batched, off the request path) and retention purging.
-//! - [`cache`]: the replay cache of completed answers (no store round trip for hot replays).
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
 //! - [`metrics`]: counters shared by the pipeline and the admin listener.
 //! - [`error`]: the one error type of the request path and its mapping to JSON responses.
@@ -37,7 +38,6 @@ pub mod accept;
 pub mod admin;
 pub mod audit;
 pub mod body;
-pub mod cache;
 pub mod cli;
 pub mod config;
 pub mod error;

@@ -99,18 +99,10 @@ impl Server {
             purge_every,
             background_stop.clone(),
         ));
-        // Releases made by other replicas (or the CLI on PostgreSQL) reach our replay cache.
-        let cache = Arc::new(crate::cache::ReplayCache::default());
-        let observed = cache.clone();
-        store.observe_releases(Arc::new(move |key| match key {
-            Some(k) => observed.forget_key(k),
-            None => observed.clear(),
-        }));
         let state = Arc::new(AppState {
             config: config.clone(),
             store,
             auditor,
-            cache,
             clients,
             key_locks: LockTable::new(),
             entity_locks: LockTable::new(),

@@ -25,8 +25,6 @@ pub struct AppState {
     pub tracker: TaskTracker,
     /// This process's identity as the owner of reservations.
     pub owner: String,
-    /// Completed answers kept in memory for replays.
-    pub cache: Arc<crate::cache::ReplayCache>,
     /// Where requests' audit rows go (written in batches off the request path).
     pub auditor: crate::audit::Auditor,
     /// Keys credential scopes with the store's scope secret.

@@ -41,7 +41,7 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
         }
         // A completed key replays at once, with no lock — concurrent replays of one key never
         // queue behind each other — and, when cached, with no store read.
-        if let Some(hit) = ctx.state.cache.get(&ctx.p.id) {
+        if let Some(hit) = ctx.state.store.cached(&ctx.p.id) {
             if hit.fingerprint == ctx.p.fingerprint {
                 return Ok(Found::Replay(hit.response.clone()));
             }
@@ -52,7 +52,6 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
             .as_ref()
             .filter(|r| r.effective_state(now_ms()) == KeyState::Completed)
         {
-            ctx.state.cache.put_record(rec);
             if let Decision::Replay(stored) = decide(ctx, Some(rec))? {
                 return Ok(Found::Replay(stored));
             }
@@ -176,7 +175,7 @@ async fn wait_foreign(ctx: &mut Ctx, until_ms: i64, deadline: Instant) -> ProxyR
 /// record, the old scope's record, if there is one, is this request's: an upgrade must never
 /// make a stored key look new to its own caller's retry.
 async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<()> {
-    if ctx.state.cache.get(&ctx.p.id).is_some() || get(ctx, &ctx.p.id.clone()).await?.is_some() {
+    if ctx.state.store.cached(&ctx.p.id).is_some() || get(ctx, &ctx.p.id.clone()).await?.is_some() {
         return Ok(());
     }
     let old = ScopedKey {

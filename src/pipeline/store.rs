@@ -1,6 +1,5 @@
 //! Step 7: what the forward's ending means (SPEC's outcome table), stored — the answer, the
-//! new version and claim of a 2xx — then the locks released. The stored answer goes to the
-//! replay cache only once the store committed it.
+//! new version and claim of a 2xx — then the locks released.
 
 use super::outcome::{Answer, Outcome};
 use super::Ctx;
@@ -12,7 +11,7 @@ use std::sync::Arc;
 /// Step 7.
 pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
     let up = ctx.upstream.clone();
-    let (finish, outcome, cached) = match called {
+    let (finish, outcome) = match called {
         Called::Answer(resp) if up.release_statuses.contains(&resp.status) => {
             ctx.upstream_status = Some(resp.status);
             let answer = Answer::Full(Arc::new(resp));
@@ -20,7 +19,7 @@ pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
                 answer,
                 released: true,
             };
-            (Finish::Released, outcome, None)
+            (Finish::Released, outcome)
         }
         Called::Answer(resp) => {
             ctx.upstream_status = Some(resp.status);
@@ -36,7 +35,7 @@ pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
                 answer: Answer::Full(resp),
                 released: false,
             };
-            (finish, outcome, Some((stored, expires_at)))
+            (finish, outcome)
         }
         Called::Oversize { head, prefix, rest } => {
             // The write happened and its status is known: the key is completed, but only its
@@ -60,7 +59,6 @@ pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
                     answer,
                     released: false,
                 },
-                None,
             )
         }
         Called::NotSent(why) => {
@@ -68,23 +66,19 @@ pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
                 ErrorKind::UpstreamUnreachable,
                 format!("upstream {} unreachable: {why}", up.name),
             );
-            (Finish::Released, Outcome::NotSent(e), None)
+            (Finish::Released, Outcome::NotSent(e))
         }
         Called::Unknown(why) => {
             let e = ProxyError::new(
                 ErrorKind::UpstreamTimeout,
                 format!("upstream {}: {why}", up.name),
             );
-            (Finish::Unknown, Outcome::Unknown(e), None)
+            (Finish::Unknown, Outcome::Unknown(e))
         }
     };
     let (state, id) = (&ctx.state, &ctx.p.id);
     match state.store.finish(id, ctx.epoch, finish).await {
-        Ok(true) => {
-            if let Some((stored, expires_at)) = cached {
-                state.cache.put(id, &ctx.p.fingerprint, stored, expires_at);
-            }
-        }
+        Ok(true) => {}
         Ok(false) => {
             tracing::warn!(key = %id.key, "our reservation was taken over; the answer was not stored")
         }

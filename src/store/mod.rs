@@ -5,6 +5,7 @@
 //! bumps its `epoch`, and `finish`/`renew` are fenced on it, so an owner that lost its record
 //! (lease expired, taken over) can never overwrite the new holder's outcome.
 
+pub mod cached;
 pub mod codec;
 mod error;
 pub mod notify;
@@ -239,6 +240,11 @@ pub struct KeyFilter {
 /// Idempotency keys: reserve before forwarding, store the outcome, replay, release.
 #[async_trait]
 pub trait Keys: Send + Sync + 'static {
+    /// A completed answer kept in memory, when the store keeps a replay cache (see
+    /// [`cached::CachedStore`]): a replay then needs no lock and no store round trip.
+    fn cached(&self, _id: &ScopedKey) -> Option<std::sync::Arc<cached::CachedAnswer>> {
+        None
+    }
     /// Reads one record.
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>>;
     /// Atomically makes the key ours (absent, released, expired — or unknown when
@@ -372,16 +378,20 @@ pub async fn open(
     lease: Duration,
     exclusive: bool,
 ) -> StoreResult<std::sync::Arc<dyn Store>> {
-    if url.starts_with("sqlite:") {
-        let s = sqlite::SqliteStore::open(url, lease, exclusive).await?;
-        Ok(std::sync::Arc::new(s))
+    let store: std::sync::Arc<dyn Store> = if url.starts_with("sqlite:") {
+        std::sync::Arc::new(sqlite::SqliteStore::open(url, lease, exclusive).await?)
     } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let s = postgres::PgStore::open(url).await?;
-        Ok(std::sync::Arc::new(s))
+        std::sync::Arc::new(postgres::PgStore::open(url).await?)
     } else {
-        Err(StoreError::Unavailable(format!(
+        return Err(StoreError::Unavailable(format!(
             "store {}: use sqlite://FILE or postgres://...",
             crate::config::redact_url(url)
-        )))
-    }
+        )));
+    };
+    // A serving process replays hot keys from memory; a CLI process reads the store itself.
+    Ok(if exclusive {
+        cached::CachedStore::wrap(store)
+    } else {
+        store
+    })
 }
