@@ -244,47 +244,6 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
     }
 }
 
-/// Asks the proxy on `admin_listen` to release `key`; `None` when no proxy answers there.
-async fn release_through_admin(config: &Config, key: &str) -> anyhow::Result<Option<u64>> {
-    use http_body_util::BodyExt;
-    if !config.store.url.starts_with("sqlite:") {
-        // PostgreSQL tells every replica's cache of a release itself (NOTIFY).
-        return Ok(None);
-    }
-    let Some(mut addr) = crate::store::sqlite::running_admin(&config.store.url) else {
-        return Ok(None);
-    };
-    if addr.ip().is_unspecified() {
-        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
-    }
-    let path: String =
-        percent_encoding::utf8_percent_encode(key, percent_encoding::NON_ALPHANUMERIC).collect();
-    let mut req = http::Request::post(format!("http://{addr}/admin/keys/{path}/release"));
-    if let Some(token) = &config.server.admin_token {
-        req = req.header(http::header::AUTHORIZATION, format!("Bearer {token}"));
-    }
-    let req = req.body(crate::upstream::full(bytes::Bytes::new()))?;
-    let mut http = hyper_util::client::legacy::connect::HttpConnector::new();
-    http.set_connect_timeout(Some(std::time::Duration::from_secs(1)));
-    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
-        .build(http);
-    let resp =
-        match tokio::time::timeout(std::time::Duration::from_secs(5), client.request(req)).await {
-            Ok(Ok(resp)) => resp,
-            // Nobody listens: no proxy is running with this config.
-            _ => return Ok(None),
-        };
-    let status = resp.status();
-    let body = resp.into_body().collect().await?.to_bytes();
-    anyhow::ensure!(
-        status.is_success(),
-        "the proxy at {addr} refused the release ({status}): {}",
-        String::from_utf8_lossy(&body)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&body)?;
-    Ok(Some(v["released"].as_u64().unwrap_or(0)))
-}
-
 async fn migrate(config: Config) -> anyhow::Result<()> {
     let store = crate::store::open(&config.store.url, config.store.lease, false).await?;
     store.close().await;
@@ -304,12 +263,9 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
             None => Err(anyhow::anyhow!("no key {key:?}")),
         },
         KeysCommand::Release { key } => {
-            // Through a running proxy when there is one, so its replay cache forgets the key
-            // at once; straight to the store otherwise.
-            let n = match release_through_admin(&config, &key).await? {
-                Some(n) => n,
-                None => store.release_key(&key).await?,
-            };
+            // The store tells a running proxy (NOTIFY on PostgreSQL, a release note on
+            // SQLite), so its replay cache forgets the key before this returns.
+            let n = store.release_key(&key).await?;
             println!(
                 "released {n} record(s) of key {:?}",
                 escape_controls(&key, false)

@@ -157,7 +157,6 @@ impl Server {
                 if !admin::admin_open(&state) {
                     tracing::warn!(addr = %addr, "the admin listener is not on loopback and no admin_token is set: /admin/* is refused (403); /healthz, /readyz and /metrics are served. Set server.admin_token to use the admin API");
                 }
-                state.store.advertise_admin(addr);
                 let st = state.clone();
                 let handler: Handler = Arc::new(move |req| {
                     let st = st.clone();

@@ -8,11 +8,7 @@ use common::*;
 use serde_json::json;
 
 fn config(upstream: &RecordingUpstream, extra: &str, routes: &str) -> String {
-    format!(
-        "{}\n[upstreams.api]\nurl = \"{}\"\nprefix = \"/api\"\n{extra}\n{routes}",
-        server_section(),
-        upstream.url()
-    )
+    api_config(upstream, "", extra, routes)
 }
 
 const ROUTES: &str = r#"

@@ -11,11 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
 fn config(upstream: &RecordingUpstream, server_extra: &str) -> String {
-    format!(
-        "{}{server_extra}\n[upstreams.api]\nurl = \"{}\"\nprefix = \"/api\"\n{ROUTES}",
-        server_section(),
-        upstream.url()
-    )
+    api_config(upstream, server_extra, "", ROUTES)
 }
 
 const ROUTES: &str = r#"

@@ -432,8 +432,8 @@ async fn a_release_on_one_replica_reaches_every_replay_cache() {
     // The other replica learns of it by NOTIFY; wait for that, then its retry is forwarded.
     // The bound stays under the cache's own refresh (idemproxy::store::cached::FRESH_FOR_MS), so only
     // the notification can make this pass.
-    let deadline =
-        Instant::now() + Duration::from_millis(idemproxy::store::cached::FRESH_FOR_MS as u64 - 1_000);
+    let deadline = Instant::now()
+        + Duration::from_millis(idemproxy::store::cached::FRESH_FOR_MS as u64 - 1_000);
     loop {
         let r = post_json(&ps[1].url("/api/charges"), Some("rel-1"), &body, &[]).await;
         if r.replayed() == Some(false) {

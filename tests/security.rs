@@ -7,14 +7,7 @@ mod common;
 use common::*;
 use serde_json::{json, Value};
 
-/// `[server]`, an upstream `api` at `/api` with `extra` keys, then `routes`.
-fn config(upstream: &RecordingUpstream, server_extra: &str, extra: &str, routes: &str) -> String {
-    format!(
-        "{}{server_extra}\n[upstreams.api]\nurl = \"{}\"\nprefix = \"/api\"\n{extra}\n{routes}",
-        server_section(),
-        upstream.url()
-    )
-}
+use common::api_config as config;
 
 const CHARGES: &str = r#"
 [[routes]]

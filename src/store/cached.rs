@@ -273,9 +273,6 @@ impl Store for CachedStore {
     async fn scope_secret(&self, id: &str) -> StoreResult<ScopeCheck> {
         self.inner.scope_secret(id).await
     }
-    fn advertise_admin(&self, addr: std::net::SocketAddr) {
-        self.inner.advertise_admin(addr)
-    }
     async fn ping(&self) -> StoreResult<()> {
         self.inner.ping().await
     }

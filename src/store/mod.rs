@@ -340,9 +340,6 @@ pub trait Store: Keys + EntityLocks + EntityStates + AuditLog {
     /// this store's credential scopes, unless one is recorded already; says which is recorded
     /// and whether keys with first-release (unkeyed) scopes remain.
     async fn scope_secret(&self, id: &str) -> StoreResult<ScopeCheck>;
-    /// Tells CLI processes on this machine where the running proxy's admin API is (SQLite
-    /// writes it into the lock file it holds). Nothing to do for a shared store.
-    fn advertise_admin(&self, _addr: std::net::SocketAddr) {}
     /// Whether the store answers (readiness).
     async fn ping(&self) -> StoreResult<()>;
     /// Closes connections; pending writes are flushed first.

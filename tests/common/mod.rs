@@ -77,3 +77,18 @@ pub fn unused_addr() -> SocketAddr {
 pub fn server_section() -> &'static str {
     "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n"
 }
+
+/// A whole test config: [`server_section`] plus `server_extra` (more `[server]` keys), one
+/// upstream `api` at `/api` on `upstream` with `upstream_extra` keys, then `routes`.
+pub fn api_config(
+    upstream: &RecordingUpstream,
+    server_extra: &str,
+    upstream_extra: &str,
+    routes: &str,
+) -> String {
+    format!(
+        "{}{server_extra}\n[upstreams.api]\nurl = \"{}\"\nprefix = \"/api\"\n{upstream_extra}\n{routes}",
+        server_section(),
+        upstream.url()
+    )
+}

@@ -46,6 +46,8 @@ pub async fn purge(
         ("DELETE FROM idem_audit WHERE id IN (SELECT id FROM idem_audit WHERE expires_at < ?1 LIMIT ?2)", now),
         ("UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL \
           WHERE entity IN (SELECT entity FROM idem_entities WHERE claim_until < ?1 LIMIT ?2)", now),
+        ("DELETE FROM idem_releases WHERE seq IN (SELECT seq FROM idem_releases WHERE at < ?1 LIMIT ?2)",
+          now - super::releases::KEEP_MS),
     ];
     let mut n = 0;
     for (sql, before) in by_time {

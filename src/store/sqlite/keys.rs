@@ -165,7 +165,13 @@ pub async fn renew(
     Ok(res.rows_affected() == 1)
 }
 
-pub async fn release_key(conn: &mut SqliteConnection, key: &str, now: i64) -> StoreResult<u64> {
+/// Releases `key` and notes the release in `idem_releases`, which the serving process reads
+/// (see [`super::releases`]): `(records released, the note's sequence number)`.
+pub async fn release_key(
+    conn: &mut SqliteConnection,
+    key: &str,
+    now: i64,
+) -> StoreResult<(u64, i64)> {
     let res = sqlx::query(&format!(
         "UPDATE idem_keys SET state = 'released', owner = NULL, updated_at = ?1 WHERE key = ?2 AND {}",
         rules::releasable("?1")
@@ -174,7 +180,13 @@ pub async fn release_key(conn: &mut SqliteConnection, key: &str, now: i64) -> St
     .bind(key)
     .execute(&mut *conn)
     .await?;
-    Ok(res.rows_affected())
+    let seq: i64 =
+        sqlx::query_scalar("INSERT INTO idem_releases (key, at) VALUES (?1, ?2) RETURNING seq")
+            .bind(key)
+            .bind(now)
+            .fetch_one(&mut *conn)
+            .await?;
+    Ok((res.rows_affected(), seq))
 }
 
 #[async_trait]
@@ -207,9 +219,17 @@ impl Keys for SqliteStore {
     }
     async fn release_key(&self, key: &str) -> StoreResult<u64> {
         let key = key.to_owned();
-        self.writer
+        let (n, seq) = self
+            .writer
             .write(move |c, now| Box::pin(async move { release_key(c, &key, now).await }))
-            .await
+            .await?;
+        if self.lock.is_none() {
+            super::releases::wait_until_seen(&self.reads, &self.db, seq).await;
+        }
+        Ok(n)
+    }
+    fn observe_releases(&self, f: ReleaseObserver) {
+        *self.observer.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
     }
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
         let rows = sqlx::query(&format!(

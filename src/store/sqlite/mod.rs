@@ -14,6 +14,7 @@ mod audit;
 mod entities;
 mod keys;
 mod meta;
+mod releases;
 mod writer;
 
 use super::codec::encode_entities;
@@ -21,6 +22,7 @@ use super::*;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Connection, SqliteConnection, SqlitePool};
 use std::str::FromStr;
+use std::sync::Arc;
 use writer::Writer;
 
 use super::rows::{
@@ -29,9 +31,15 @@ use super::rows::{
 
 pub struct SqliteStore {
     reads: SqlitePool,
-    writer: Writer,
+    writer: Arc<Writer>,
     /// Held for the life of a `serve` process: the exclusive lock on `<db>.lock`.
-    _lock: Option<std::fs::File>,
+    lock: Option<std::fs::File>,
+    /// The database file.
+    db: std::path::PathBuf,
+    /// Told of releases made by other processes (see [`releases`]).
+    observer: releases::Observer,
+    /// Stops the serving process's reader of release notes.
+    stop: tokio_util::sync::CancellationToken,
 }
 
 impl SqliteStore {
@@ -64,10 +72,24 @@ impl SqliteStore {
                 .execute(&mut conn)
                 .await?;
         }
+        let writer = Arc::new(Writer::start(conn));
+        let observer = releases::Observer::default();
+        let stop = tokio_util::sync::CancellationToken::new();
+        if exclusive {
+            releases::watch(
+                reads.clone(),
+                writer.clone(),
+                observer.clone(),
+                stop.clone(),
+            );
+        }
         Ok(SqliteStore {
             reads,
-            writer: Writer::start(conn),
-            _lock: lock,
+            writer,
+            lock,
+            db: opts.get_filename().to_owned(),
+            observer,
+            stop,
         })
     }
 }
@@ -169,19 +191,6 @@ fn lock_path(db: &std::path::Path) -> std::path::PathBuf {
     path.into()
 }
 
-/// The admin address of the `serve` process holding this database, if one runs: it writes
-/// the address into the lock file it holds. The CLI releases keys through it, so the running
-/// proxy's replay cache forgets them at once.
-pub fn running_admin(url: &str) -> Option<std::net::SocketAddr> {
-    let opts = SqliteConnectOptions::from_str(url).ok()?;
-    let path = lock_path(opts.get_filename());
-    let file = std::fs::File::open(&path).ok()?;
-    if file.try_lock_shared().is_ok() {
-        return None; // nobody holds it: no proxy is running
-    }
-    std::fs::read_to_string(&path).ok()?.trim().parse().ok()
-}
-
 fn lock_file(db: &std::path::Path) -> StoreResult<std::fs::File> {
     let path = lock_path(db);
     let mut open = std::fs::OpenOptions::new();
@@ -214,18 +223,6 @@ impl Store for SqliteStore {
             .write(move |c, _now| Box::pin(async move { meta::scope_secret(c, &id).await }))
             .await
     }
-    fn advertise_admin(&self, addr: std::net::SocketAddr) {
-        use std::io::{Seek, Write};
-        if let Some(mut f) = self._lock.as_ref() {
-            let written = f
-                .set_len(0)
-                .and_then(|_| f.rewind())
-                .and_then(|_| f.write_all(addr.to_string().as_bytes()));
-            if let Err(e) = written {
-                tracing::warn!(error = %e, "cannot write the admin address into the lock file");
-            }
-        }
-    }
     async fn ping(&self) -> StoreResult<()> {
         sqlx::query("SELECT 1").execute(&self.reads).await?;
         self.writer
@@ -233,6 +230,7 @@ impl Store for SqliteStore {
             .await
     }
     async fn close(&self) {
+        self.stop.cancel();
         // Queued writes run first; then the writer stops.
         self.writer.close().await;
         self.reads.close().await;
