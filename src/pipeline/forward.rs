@@ -2,7 +2,6 @@
 //! lease while it runs. Never retried here: a re-forward is only safe when nothing was sent,
 //! and even then it is the client's retry that does it.
 
-use super::prepare::Prepared;
 use super::Ctx;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::upstream::{call, full, request_headers, Outcome, ProxyBody, Target, UpstreamClient};
@@ -25,13 +24,13 @@ impl Outgoing {
     pub(super) fn new(
         client: &UpstreamClient,
         target: &Target<'_>,
-        p: &Prepared,
+        key: &str,
         parts: http::request::Parts,
         body: Bytes,
     ) -> ProxyResult<Outgoing> {
         let mut headers = request_headers(parts.headers);
         if let Some(native) = &target.upstream.native_idempotency_header {
-            if let Ok(v) = HeaderValue::from_str(&p.key) {
+            if let Ok(v) = HeaderValue::from_str(key) {
                 headers.insert(native.clone(), v);
             }
         }

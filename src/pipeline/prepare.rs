@@ -86,7 +86,7 @@ pub(super) async fn step(
     };
     ctx.p = prepare(&ctx.upstream, &ctx.route, plan, &input, &ctx.state.scoper)?;
     ctx.prepared = true;
-    ctx.outgoing = Outgoing::new(&ctx.client, target, &ctx.p, parts, body)?;
+    ctx.outgoing = Outgoing::new(&ctx.client, target, &ctx.p.key, parts, body)?;
     Ok(())
 }
 
