@@ -1,0 +1,166 @@
+//! The second release's store surface, run against SQLite and PostgreSQL alike: entities
+//! scoped by credential (operators address them by bare name), the scope secret's id, the
+//! first release's unkeyed scopes, and the replay cache layer a serving process keeps.
+
+mod common;
+
+use bytes::Bytes;
+use common::pg::PgServer;
+use idemproxy::store::{
+    self, Effects, Finish, Reservation, Reserved, ScopedKey, Store, StoredResponse,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(60);
+
+fn id(scope: &str, key: &str) -> ScopedKey {
+    ScopedKey {
+        upstream: "api".into(),
+        scope: scope.into(),
+        key: key.into(),
+    }
+}
+
+/// Reserves and completes `key` under `scope`, setting `version` on `entities`.
+async fn write(s: &Arc<dyn Store>, scope: &str, key: &str, entities: &[&str], version: i64) {
+    let entities: Vec<String> = entities.iter().map(|e| e.to_string()).collect();
+    let leases = s
+        .lock_entities(&entities, "owner", LONG, Duration::ZERO)
+        .await
+        .expect("lock")
+        .expect("free");
+    let reserved = s
+        .reserve(Reservation {
+            id: id(scope, key),
+            fingerprint: "fp".into(),
+            route: "r".into(),
+            entities: entities.clone(),
+            owner: "owner".into(),
+            lease: LONG,
+            take_unknown: false,
+        })
+        .await
+        .expect("reserve");
+    let Reserved::Owned { epoch } = reserved else {
+        panic!("fresh key {key}")
+    };
+    let response = StoredResponse {
+        status: 200,
+        headers: vec![],
+        body: Bytes::from_static(b"{}"),
+    };
+    let effects = Effects {
+        entities,
+        version: Some(version),
+        claim_until: Some(store::after_ms(LONG)),
+        release_claim: false,
+        leases: leases.clone(),
+        owner: "owner".into(),
+    };
+    let done = Finish::Completed {
+        response: Arc::new(response),
+        expires_at: store::after_ms(LONG),
+        effects,
+    };
+    assert!(s
+        .finish(&id(scope, key), epoch, done)
+        .await
+        .expect("finish"));
+    s.unlock_entities(&leases, "owner").await.expect("unlock");
+}
+
+async fn scoped_suite(s: Arc<dyn Store>) {
+    // Two tenants' contact 42, and another contact whose name starts the same way.
+    write(&s, "k1:a", "a1", &["contact:42@aaaaaaaaaaaaaaaa"], 9).await;
+    write(&s, "k1:b", "b1", &["contact:42@bbbbbbbbbbbbbbbb"], 2).await;
+    write(&s, "k1:c", "c1", &["contact:420@cccccccccccccccc"], 5).await;
+    let found = s.find_entities("contact:42").await.expect("find");
+    let mut names: Vec<&str> = found.iter().map(|e| e.entity.as_str()).collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["contact:42@aaaaaaaaaaaaaaaa", "contact:42@bbbbbbbbbbbbbbbb"],
+        "a bare name finds its scopes, not contact:420"
+    );
+    let one = s
+        .find_entities("contact:42@bbbbbbbbbbbbbbbb")
+        .await
+        .expect("find");
+    assert_eq!(one.len(), 1);
+    assert_eq!(one[0].version, Some(2));
+    let history = s.audit_for_entity("contact:42", 10).await.expect("audit");
+    assert!(history.is_empty(), "no audit rows were written here");
+    assert!(s.release_claim("contact:42").await.expect("release"));
+    assert_eq!(s.reset_version("contact:42").await.expect("reset"), 2);
+    let after = s.find_entities("contact:42").await.expect("find");
+    assert!(after
+        .iter()
+        .all(|e| e.version.is_none() && e.claim.is_none()));
+    let other = s.find_entities("contact:420").await.expect("find");
+    assert_eq!(other[0].version, Some(5), "another entity is untouched");
+
+    // The scope secret's id: the first one recorded stays; unkeyed (first-release) scopes
+    // are noticed.
+    let first = s.scope_secret("id-one").await.expect("secret");
+    assert_eq!(first.recorded, "id-one");
+    assert!(!first.legacy_keys, "every key so far has a k1: scope");
+    write(&s, "0123abcd", "legacy", &["x:1"], 1).await;
+    let again = s.scope_secret("id-two").await.expect("secret");
+    assert_eq!(
+        again.recorded, "id-one",
+        "another secret does not replace the first"
+    );
+    assert!(again.legacy_keys);
+    s.close().await;
+}
+
+/// A serving process's store replays completed keys from memory and forgets released ones.
+async fn cache_suite(s: Arc<dyn Store>) {
+    let key = id("k1:a", "cached-1");
+    assert!(s.cached(&key).is_none());
+    write(&s, "k1:a", "cached-1", &[], 1).await;
+    let hit = s.cached(&key).expect("stored answers are cached");
+    assert_eq!(hit.fingerprint, "fp");
+    assert_eq!(s.release_key("cached-1").await.expect("release"), 1);
+    assert!(
+        s.cached(&key).is_none(),
+        "a release forgets the key at once"
+    );
+    assert!(s.get(&key).await.expect("get").is_some());
+    assert!(
+        s.cached(&key).is_none(),
+        "a released record is not cached again"
+    );
+    s.close().await;
+}
+
+#[tokio::test]
+async fn sqlite_scoped_entities_and_scope_secret() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite://{}", dir.path().join("e.db").display());
+    scoped_suite(store::open(&url, LONG, false).await.expect("open")).await;
+}
+
+#[tokio::test]
+async fn postgres_scoped_entities_and_scope_secret() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    scoped_suite(store::open(&pg.url, LONG, false).await.expect("open")).await;
+}
+
+#[tokio::test]
+async fn sqlite_serving_store_caches_replays() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let url = format!("sqlite://{}", dir.path().join("c.db").display());
+    cache_suite(store::open(&url, LONG, true).await.expect("open")).await;
+}
+
+#[tokio::test]
+async fn postgres_serving_store_caches_replays() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    cache_suite(store::open(&pg.url, LONG, true).await.expect("open")).await;
+}
