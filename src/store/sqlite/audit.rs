@@ -39,10 +39,13 @@ pub async fn purge(
     released_before: i64,
 ) -> StoreResult<u64> {
     let by_time = [
+        // INDEXED BY: without statistics SQLite prefers the state index and walks every
+        // completed key (1.6 s at a million) on the writer; the partial index holds only rows
+        // the purge can delete (0.1 ms when none are due).
         ("DELETE FROM idem_keys WHERE (upstream, scope, key) IN (SELECT upstream, scope, key FROM idem_keys \
-          WHERE state = 'completed' AND expires_at < ?1 LIMIT ?2)", now),
+          INDEXED BY idem_keys_completed_expiry WHERE state = 'completed' AND expires_at < ?1 LIMIT ?2)", now),
         ("DELETE FROM idem_keys WHERE (upstream, scope, key) IN (SELECT upstream, scope, key FROM idem_keys \
-          WHERE state = 'released' AND updated_at < ?1 LIMIT ?2)", released_before),
+          INDEXED BY idem_keys_released_updated WHERE state = 'released' AND updated_at < ?1 LIMIT ?2)", released_before),
         ("DELETE FROM idem_audit WHERE id IN (SELECT id FROM idem_audit WHERE expires_at < ?1 LIMIT ?2)", now),
         ("UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL \
           WHERE entity IN (SELECT entity FROM idem_entities WHERE claim_until < ?1 LIMIT ?2)", now),
