@@ -104,4 +104,4 @@ base = r("nginx.rps")
 print(f"\nreplay / nginx:       {r('replay.rps') / base:5.2f}x  (goal > 1)")
 print(f"first write / nginx:  {r('first.rps') / base:5.2f}x  (goal >= 0.5)")
 PY
-curl -fs "http://127.0.0.1:$ADMIN/metrics" | grep -E '^idemproxy_(forwards|replays|store_errors)_total' || true
+curl -fs "http://127.0.0.1:$ADMIN/metrics" | grep -E '^idemproxy_(forwards|replays|store_errors|audit_dropped)_total' || true
