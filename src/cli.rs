@@ -263,8 +263,8 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
             None => Err(anyhow::anyhow!("no key {key:?}")),
         },
         KeysCommand::Release { key } => {
-            // The store tells a running proxy (NOTIFY on PostgreSQL, a release note on
-            // SQLite), so its replay cache forgets the key before this returns.
+            // The store tells running proxies: on SQLite a release note the proxy acknowledges
+            // before this returns; on PostgreSQL a NOTIFY every replica hears within moments.
             let n = store.release_key(&key).await?;
             println!(
                 "released {n} record(s) of key {:?}",

@@ -81,6 +81,15 @@ async fn sdk_generated_keys_give_way_to_the_intent() {
     let reused = post_json(&url, Some("signup-42"), &json!({"email": "c@x"}), &[]).await;
     reused.assert_status(422);
     assert_eq!(upstream.count(), 3);
+
+    // A derivation that lacks a field falls back to the SDK's own key rather than refusing.
+    let routes =
+        "[[routes]]\nname = \"wf\"\nupstream = \"api\"\nmethods = [\"POST\"]\npath = \"/wf\"\n\
+                  key = { header = \"Idempotency-Key\", derive = \"{header.x-workflow-id}\" }\n";
+    let proxy = TestProxy::start(&config(&upstream, extra, routes)).await;
+    let r = post_json(&proxy.url("/api/wf"), Some(uuid), &body, &[]).await;
+    r.assert_status(200);
+    assert_eq!(r.idempotency_key(), Some(uuid));
 }
 
 #[tokio::test]

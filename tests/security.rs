@@ -178,6 +178,15 @@ async fn answers_over_max_answer_stream_to_their_caller_and_are_never_forwarded_
         !record.to_string().contains("xxxxxxxx"),
         "the body is not stored"
     );
+    // An oversize answer in release_statuses is not stored either: the retry is forwarded.
+    let body = big.clone();
+    let busy = RecordingUpstream::with_handler(move |_, _| Reply::text(503, &body)).await;
+    let extra = "release_statuses = [503]";
+    let proxy = TestProxy::start(&config(&busy, "max_answer = \"16KiB\"\n", extra, CHARGES)).await;
+    let url = proxy.url("/api/v1/charges");
+    post(&url, "k-busy", &[]).await.assert_status(503);
+    post(&url, "k-busy", &[]).await.assert_status(503);
+    assert_eq!(busy.count(), 2, "a released key is forwarded again");
     // Small answers are still stored and replayed.
     let small = RecordingUpstream::start().await;
     let proxy = TestProxy::start(&config(&small, "max_answer = \"16KiB\"\n", "", CHARGES)).await;
@@ -302,6 +311,12 @@ async fn credential_scopes_are_keyed_and_an_upgrade_keeps_old_keys() {
         1,
         "only the other caller's request was forwarded"
     );
+    // The old scope left cookies out: a caller with the same Authorization and a cookie could
+    // be another session, so it never adopts the old record.
+    let session = [("authorization", "Bearer old"), ("cookie", "session=B")];
+    let cookie = post(&url, "k-old", &session).await;
+    assert_eq!(cookie.replayed(), Some(false), "{}", cookie.text());
+    assert_eq!(upstream.count(), 2);
 
     // New records are keyed: not the plain hash of the credentials.
     post(&url, "k-new", &[("authorization", "Bearer new")]).await;

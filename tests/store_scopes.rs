@@ -75,6 +75,8 @@ async fn scoped_suite(s: Arc<dyn Store>) {
     write(&s, "k1:a", "a1", &["contact:42@aaaaaaaaaaaaaaaa"], 9).await;
     write(&s, "k1:b", "b1", &["contact:42@bbbbbbbbbbbbbbbb"], 2).await;
     write(&s, "k1:c", "c1", &["contact:420@cccccccccccccccc"], 5).await;
+    // A shared entity whose own name has an `@` is not a scope of `contact:42`.
+    write(&s, "k1:d", "d1", &["contact:42@example.com"], 3).await;
     let found = s.find_entities("contact:42").await.expect("find");
     let mut names: Vec<&str> = found.iter().map(|e| e.entity.as_str()).collect();
     names.sort();
@@ -99,6 +101,15 @@ async fn scoped_suite(s: Arc<dyn Store>) {
         .all(|e| e.version.is_none() && e.claim.is_none()));
     let other = s.find_entities("contact:420").await.expect("find");
     assert_eq!(other[0].version, Some(5), "another entity is untouched");
+    let mail = s
+        .find_entities("contact:42@example.com")
+        .await
+        .expect("find");
+    assert_eq!(
+        mail[0].version,
+        Some(3),
+        "nor one whose name merely starts the same"
+    );
 
     // The scope secret's id: the first one recorded stays; unkeyed (first-release) scopes
     // are noticed.

@@ -36,7 +36,7 @@ enum Decision {
 pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
     let mut fresh = None;
     if ctx.slot.is_none() {
-        if ctx.state.legacy_scopes {
+        if ctx.legacy_scope.is_some() {
             adopt_legacy_scope(ctx).await?;
         }
         // A completed key replays at once, with no lock — concurrent replays of one key never
@@ -178,8 +178,11 @@ async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<()> {
     if ctx.state.store.cached(&ctx.p.id).is_some() || get(ctx, &ctx.p.id.clone()).await?.is_some() {
         return Ok(());
     }
+    let Some(scope) = ctx.legacy_scope.clone() else {
+        return Ok(());
+    };
     let old = ScopedKey {
-        scope: crate::key::legacy_scope(&ctx.outgoing.headers, &ctx.upstream.scope_headers),
+        scope,
         ..ctx.p.id.clone()
     };
     if get(ctx, &old).await?.is_some() {

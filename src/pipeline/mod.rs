@@ -128,6 +128,9 @@ pub struct Ctx {
     prepared: bool,
     /// Step 1: the upstream request, built once.
     outgoing: forward::Outgoing,
+    /// Step 1: the first release's (unkeyed) scope of this request, when keys stored before the
+    /// upgrade may remain and that scope can only be this caller's (see `lookup`).
+    legacy_scope: Option<String>,
     /// Step 2: one local request per scoped key at a time; held until the answer is stored.
     slot: Option<LockGuard>,
     /// Step 2: when this request stops waiting for keys and locks.
@@ -164,6 +167,7 @@ impl Ctx {
             p: Prepared::default(),
             prepared: false,
             outgoing: forward::Outgoing::default(),
+            legacy_scope: None,
             slot: None,
             deadline: None,
             woken: None,

@@ -48,8 +48,9 @@ pub struct Prepared {
 pub enum KeyPlan {
     /// A client key from the header (already validated).
     Header(String),
-    /// No client key: derive one from the template once the body is known.
-    Derive,
+    /// No client key (or an SDK's random one, kept as a fallback should the derivation lack a
+    /// field): derive one from the template once the body is known.
+    Derive(Option<String>),
     /// No key and none required: forward unprotected, streamed.
     Unprotected,
 }
@@ -86,6 +87,16 @@ pub(super) async fn step(
     };
     ctx.p = prepare(&ctx.upstream, &ctx.route, plan, &input, &ctx.state.scoper)?;
     ctx.prepared = true;
+    // The first release scoped keys by `Authorization` and `scope_headers` only: a request that
+    // also carries another credential header (a cookie, an API key) could share that old scope
+    // with other callers, so it never adopts an old record.
+    let extra = &ctx.upstream.scope_headers;
+    let other_credentials = key::credential_names(extra)
+        .filter(|n| *n != http::header::AUTHORIZATION && !extra.contains(n))
+        .any(|n| parts.headers.contains_key(&n));
+    if ctx.state.legacy_scopes && !other_credentials {
+        ctx.legacy_scope = Some(key::legacy_scope(&parts.headers, extra));
+    }
     ctx.outgoing = Outgoing::new(&ctx.client, target, &ctx.p.key, parts, body)?;
     Ok(())
 }
@@ -128,10 +139,11 @@ pub fn plan_key(upstream: &Upstream, route: &Route, headers: &HeaderMap) -> Prox
             if !(generated && route.key.derive.is_some()) {
                 return Ok(KeyPlan::Header(k));
             }
+            return Ok(KeyPlan::Derive(Some(k)));
         }
     }
     match (&route.key.derive, route.key.required) {
-        (Some(_), _) => Ok(KeyPlan::Derive),
+        (Some(_), _) => Ok(KeyPlan::Derive(None)),
         (None, false) => Ok(KeyPlan::Unprotected),
         (None, true) => Err(ProxyError::new(
             ErrorKind::KeyMissing,
@@ -233,20 +245,30 @@ pub fn prepare(
     view.entity = (!entities.is_empty()).then_some(joined.as_str());
     let (key, key_source) = match plan {
         KeyPlan::Header(k) => (k, KeySource::Header),
-        _ => {
+        KeyPlan::Derive(fallback) => {
             let derive = route.key.derive.as_ref().ok_or_else(|| {
                 ProxyError::new(
                     ErrorKind::KeyMissing,
                     format!("route {} has no way to make a key", route.name),
                 )
             })?;
-            let raw = derive.eval_one(&view).map_err(|field| {
-                ProxyError::new(
-                    ErrorKind::KeyMissing,
-                    format!("the key is derived from {{{field}}}, which the request lacks"),
-                )
-            })?;
-            (key::normalize_derived(raw), KeySource::Derived)
+            match (derive.eval_one(&view), fallback) {
+                (Ok(raw), _) => (key::normalize_derived(raw), KeySource::Derived),
+                // The request still carries the SDK's own key: better than refusing it.
+                (Err(_), Some(k)) => (k, KeySource::Header),
+                (Err(field), None) => {
+                    return Err(ProxyError::new(
+                        ErrorKind::KeyMissing,
+                        format!("the key is derived from {{{field}}}, which the request lacks"),
+                    ))
+                }
+            }
+        }
+        KeyPlan::Unprotected => {
+            return Err(ProxyError::new(
+                ErrorKind::KeyMissing,
+                format!("route {} takes no key", route.name),
+            ))
         }
     };
     let version = match &route.version {

@@ -5,7 +5,7 @@ use super::outcome::{Answer, Outcome};
 use super::Ctx;
 use crate::error::{ErrorKind, ProxyError};
 use crate::store::{after_ms, Effects, Finish, StoredResponse, OMITTED_BODY};
-use crate::upstream::{Outcome as Called, PrefixedBody};
+use crate::upstream::Outcome as Called;
 use std::sync::Arc;
 
 /// Step 7.
@@ -37,7 +37,18 @@ pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
             };
             (finish, outcome)
         }
-        Called::Oversize { head, prefix, rest } => {
+        Called::Oversize { head, body } if up.release_statuses.contains(&head.status) => {
+            ctx.upstream_status = Some(head.status);
+            let answer = Answer::Streamed(Arc::new(head), body);
+            (
+                Finish::Released,
+                Outcome::Answered {
+                    answer,
+                    released: true,
+                },
+            )
+        }
+        Called::Oversize { head, body } => {
             // The write happened and its status is known: the key is completed, but only its
             // head is stored, marked, so retries get `answer_too_large`, never a second forward.
             ctx.upstream_status = Some(head.status);
@@ -52,7 +63,7 @@ pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
                 expires_at: after_ms(ctx.route.retention),
                 effects: effects(ctx, head.status),
             };
-            let answer = Answer::Streamed(head, PrefixedBody::new(prefix, rest));
+            let answer = Answer::Streamed(head, body);
             (
                 finish,
                 Outcome::Answered {

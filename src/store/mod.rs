@@ -361,8 +361,11 @@ pub struct ScopeCheck {
 /// parameter `param`, or that entity qualified with a credential scope (`name@scope`, see
 /// [`crate::key::entity_scope`]): how an operator names "this entity, for every caller".
 pub fn names_entity(col: &str, param: &str) -> String {
+    // A variant is the name, `@` and exactly 16 hex characters: `user:alice@example.com` is not
+    // a scope of `user:alice`.
     format!(
-        "({col} = {param} OR substr({col}, 1, length(CAST({param} AS TEXT)) + 1) = CAST({param} AS TEXT) || '@')"
+        "({col} = {param} OR (length({col}) = length(CAST({param} AS TEXT)) + 17 \
+         AND substr({col}, 1, length(CAST({param} AS TEXT)) + 1) = CAST({param} AS TEXT) || '@'))"
     )
 }
 

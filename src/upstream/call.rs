@@ -2,11 +2,12 @@
 //! table). Never retried here: a re-forward is only safe when nothing was sent, and even then
 //! it is the client's retry that does it.
 
-use super::client::{strip_hop_by_hop, ProxyBody, UpstreamClient};
+use super::client::{strip_hop_by_hop, BoxError, ProxyBody, UpstreamClient};
 use crate::store::StoredResponse;
 use bytes::{Bytes, BytesMut};
 use http::{header, Request};
 use http_body_util::BodyExt;
+use std::future::Future;
 use std::time::Duration;
 
 /// How an upstream call ended.
@@ -18,8 +19,8 @@ pub enum Outcome {
     /// rest still streaming. Memory stays bounded; the body is never stored.
     Oversize {
         head: StoredResponse,
-        prefix: Bytes,
-        rest: hyper::body::Incoming,
+        /// The part read so far, then the rest, until the call's deadline.
+        body: PrefixedBody,
     },
     /// Never sent (connect, DNS, TLS): safe to forward again.
     NotSent(String),
@@ -29,6 +30,7 @@ pub enum Outcome {
 
 /// Sends `req` and buffers the whole answer within `timeout`.
 pub async fn call(client: &UpstreamClient, req: Request<ProxyBody>, timeout: Duration) -> Outcome {
+    let deadline = tokio::time::Instant::now() + timeout;
     let fut = async {
         let resp = match client.send(req).await {
             Ok(r) => r,
@@ -63,8 +65,7 @@ pub async fn call(client: &UpstreamClient, req: Request<ProxyBody>, timeout: Dur
                 }
                 return Outcome::Oversize {
                     head,
-                    prefix: buf.freeze(),
-                    rest: body,
+                    body: PrefixedBody::new(buf.freeze(), body, deadline),
                 };
             }
             match body.frame().await {
@@ -105,31 +106,52 @@ pub fn describe(e: &dyn std::error::Error) -> String {
 
 /// A body that yields what was already read, then the rest of the upstream's stream: how an
 /// answer over `max_answer` reaches its first caller without being held in memory.
+/// The rest is bounded by the call's deadline (the upstream's `timeout`), like a buffered
+/// answer: a stalling upstream cannot hold both connections open forever.
 pub struct PrefixedBody {
     prefix: Option<Bytes>,
     rest: hyper::body::Incoming,
+    deadline: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl std::fmt::Debug for PrefixedBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixedBody").finish_non_exhaustive()
+    }
 }
 
 impl PrefixedBody {
-    pub fn new(prefix: Bytes, rest: hyper::body::Incoming) -> PrefixedBody {
+    pub fn new(
+        prefix: Bytes,
+        rest: hyper::body::Incoming,
+        deadline: tokio::time::Instant,
+    ) -> PrefixedBody {
         PrefixedBody {
             prefix: (!prefix.is_empty()).then_some(prefix),
             rest,
+            deadline: Box::pin(tokio::time::sleep_until(deadline)),
         }
     }
 }
 
 impl hyper::body::Body for PrefixedBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, BoxError>>> {
+        use std::task::Poll;
         if let Some(prefix) = self.prefix.take() {
-            return std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(prefix))));
+            return Poll::Ready(Some(Ok(hyper::body::Frame::data(prefix))));
         }
-        std::pin::Pin::new(&mut self.rest).poll_frame(cx)
+        if self.deadline.as_mut().poll(cx).is_ready() {
+            let late: BoxError = "the upstream's answer did not finish within its timeout".into();
+            return Poll::Ready(Some(Err(late)));
+        }
+        std::pin::Pin::new(&mut self.rest)
+            .poll_frame(cx)
+            .map_err(Into::into)
     }
 }

@@ -200,7 +200,17 @@ fn lock_file(db: &std::path::Path) -> StoreResult<std::fs::File> {
     let file = open
         .open(&path)
         .map_err(|e| StoreError::File(format!("cannot open {}: {e}", path.display())))?;
-    file.try_lock().map_err(|_| {
+    // A CLI process checks for a running proxy with a brief shared lock: try again before
+    // concluding that another `serve` holds the file.
+    let mut locked = file.try_lock();
+    for _ in 0..5 {
+        if locked.is_ok() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        locked = file.try_lock();
+    }
+    locked.map_err(|_| {
         StoreError::InUse(format!(
             "{} is in use by another idemproxy serve process; SQLite serves one process (use PostgreSQL for several replicas)",
             db.display()

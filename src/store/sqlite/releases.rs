@@ -105,7 +105,10 @@ pub(super) async fn wait_until_seen(reads: &SqlitePool, db: &std::path::Path, se
 /// Whether a `serve` process holds the database's lock file.
 fn served(db: &std::path::Path) -> bool {
     match std::fs::File::open(lock_path(db)) {
-        Ok(file) => file.try_lock_shared().is_err(),
+        Ok(file) => matches!(
+            file.try_lock_shared(),
+            Err(std::fs::TryLockError::WouldBlock)
+        ),
         Err(_) => false,
     }
 }
