@@ -178,16 +178,27 @@ async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<()> {
     if ctx.state.store.cached(&ctx.p.id).is_some() || get(ctx, &ctx.p.id.clone()).await?.is_some() {
         return Ok(());
     }
-    let Some(scope) = ctx.legacy_scope.clone() else {
+    let Some((scope, uncovered)) = ctx.legacy_scope.clone() else {
         return Ok(());
     };
     let old = ScopedKey {
         scope,
         ..ctx.p.id.clone()
     };
-    if get(ctx, &old).await?.is_some() {
-        ctx.p.id = old;
+    if get(ctx, &old).await?.is_none() {
+        return Ok(());
     }
+    if uncovered {
+        // It may be this caller's (then forwarding would repeat the write) or another session's
+        // (then replaying would hand over its answer): neither, until an operator says.
+        return Err(ProxyError::new(
+            ErrorKind::OutcomeUnknown,
+            "this key was stored before the upgrade under a scope that did not include this \
+             request's cookie or API key, so whether it is this caller's cannot be told; if it \
+             is not, release it with `idemproxy keys release KEY`",
+        ));
+    }
+    ctx.p.id = old;
     Ok(())
 }
 

@@ -129,8 +129,9 @@ pub struct Ctx {
     /// Step 1: the upstream request, built once.
     outgoing: forward::Outgoing,
     /// Step 1: the first release's (unkeyed) scope of this request, when keys stored before the
-    /// upgrade may remain and that scope can only be this caller's (see `lookup`).
-    legacy_scope: Option<String>,
+    /// upgrade may remain (see `lookup`), and whether the request carries credentials that
+    /// scope left out (then an old record may be another caller's).
+    legacy_scope: Option<(String, bool)>,
     /// Step 2: one local request per scoped key at a time; held until the answer is stored.
     slot: Option<LockGuard>,
     /// Step 2: when this request stops waiting for keys and locks.

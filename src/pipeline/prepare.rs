@@ -88,14 +88,14 @@ pub(super) async fn step(
     ctx.p = prepare(&ctx.upstream, &ctx.route, plan, &input, &ctx.state.scoper)?;
     ctx.prepared = true;
     // The first release scoped keys by `Authorization` and `scope_headers` only: a request that
-    // also carries another credential header (a cookie, an API key) could share that old scope
-    // with other callers, so it never adopts an old record.
-    let extra = &ctx.upstream.scope_headers;
-    let other_credentials = key::credential_names(extra)
-        .filter(|n| *n != http::header::AUTHORIZATION && !extra.contains(n))
-        .any(|n| parts.headers.contains_key(&n));
-    if ctx.state.legacy_scopes && !other_credentials {
-        ctx.legacy_scope = Some(key::legacy_scope(&parts.headers, extra));
+    // also carries another credential header (a cookie, an API key) shares that old scope with
+    // callers it may not be.
+    if ctx.state.legacy_scopes {
+        let extra = &ctx.upstream.scope_headers;
+        let uncovered = key::credential_names(extra)
+            .filter(|n| *n != http::header::AUTHORIZATION && !extra.contains(n))
+            .any(|n| parts.headers.contains_key(&n));
+        ctx.legacy_scope = Some((key::legacy_scope(&parts.headers, extra), uncovered));
     }
     ctx.outgoing = Outgoing::new(&ctx.client, target, &ctx.p.key, parts, body)?;
     Ok(())
