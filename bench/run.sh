@@ -105,3 +105,6 @@ print(f"\nreplay / nginx:       {r('replay.rps') / base:5.2f}x  (goal > 1)")
 print(f"first write / nginx:  {r('first.rps') / base:5.2f}x  (goal >= 0.5)")
 PY
 curl -fs "http://127.0.0.1:$ADMIN/metrics" | grep -E '^idemproxy_(forwards|replays|store_errors|audit_dropped)_total' || true
+# Memory after every workload: every first write above is a stored key, its answer cached.
+KEYS=$(curl -fs "http://127.0.0.1:$ADMIN/metrics" | awk '/^idemproxy_forwards_total/ {print $2}')
+echo "idemproxy RSS after ${KEYS:-?} stored keys: $(( $(ps -o rss= -p "$(cat "$WORK/idemproxy.pid")") / 1024 )) MiB"

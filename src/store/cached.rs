@@ -73,12 +73,16 @@ impl Entries {
                 return;
             }
         }
+        // What the entry costs the allocator, not just its data: each header is a `String` and a
+        // `Bytes` (about 100 bytes of bookkeeping with allocator rounding), and the key, the
+        // fingerprint, the answer and the cache's own slot about 600 more.
         let headers: usize = response
             .headers
             .iter()
-            .map(|(n, v)| n.len() + v.len())
+            .map(|(n, v)| n.len() + v.len() + 100)
             .sum();
-        let bytes = (response.body.len() + headers + id.key.len() + id.scope.len() + 256) as u64;
+        let strings = id.upstream.len() + id.scope.len() + id.key.len() + fingerprint.len();
+        let bytes = (response.body.len() + headers + strings + 600) as u64;
         if bytes > MAX_BYTES / 64 {
             return;
         }
