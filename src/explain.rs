@@ -119,7 +119,7 @@ pub fn explain(
     };
     let _ = writeln!(w, "key:         {} ({source})", p.key);
     let creds: Vec<String> = crate::key::credential_names(&upstream.scope_headers)
-        .filter(|n| hm.contains_key(n))
+        .filter(|n| hm.contains_key(*n))
         .map(|n| n.to_string())
         .collect();
     let _ = writeln!(

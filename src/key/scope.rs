@@ -32,17 +32,21 @@ pub fn is_credential(name: &str, extra: &[HeaderName]) -> bool {
 /// The headers that carry a request's credentials: [`CREDENTIAL_HEADERS`], then `extra`
 /// (the upstream's `scope_headers`), each name once. Also what a precheck or reconcile read
 /// sends on the caller's behalf.
-pub fn credential_names(extra: &[HeaderName]) -> impl Iterator<Item = HeaderName> + '_ {
+pub fn credential_names(extra: &[HeaderName]) -> impl Iterator<Item = &HeaderName> + '_ {
+    CREDENTIAL_NAMES.iter().chain(
+        extra
+            .iter()
+            .filter(|h| !CREDENTIAL_HEADERS.contains(&h.as_str())),
+    )
+}
+
+/// [`CREDENTIAL_HEADERS`] as header names, built once (every request hashes them).
+static CREDENTIAL_NAMES: std::sync::LazyLock<Vec<HeaderName>> = std::sync::LazyLock::new(|| {
     CREDENTIAL_HEADERS
         .iter()
         .map(|n| HeaderName::from_static(n))
-        .chain(
-            extra
-                .iter()
-                .filter(|h| !CREDENTIAL_HEADERS.contains(&h.as_str()))
-                .cloned(),
-        )
-}
+        .collect()
+});
 
 /// Hashes credential headers into a scope, keyed with a secret that is not kept in the
 /// store, so a copy of the database alone cannot be used to test guesses at credentials.
@@ -65,7 +69,7 @@ impl ScopeKeyer {
     pub fn scope(&self, headers: &HeaderMap, scope_headers: &[HeaderName]) -> String {
         let mut ctx = ring::hmac::Context::with_key(&self.key);
         for name in credential_names(scope_headers) {
-            for v in headers.get_all(&name) {
+            for v in headers.get_all(name) {
                 ctx.update(name.as_str().as_bytes());
                 ctx.update(b":");
                 ctx.update(&(v.len() as u64).to_be_bytes());

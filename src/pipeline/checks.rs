@@ -108,7 +108,7 @@ async fn precheck(
     *req.method_mut() = pc.method.clone();
     *req.uri_mut() = uri;
     for name in crate::key::credential_names(&up.scope_headers) {
-        for v in headers.get_all(&name) {
+        for v in headers.get_all(name) {
             req.headers_mut().append(name.clone(), v.clone());
         }
     }

@@ -36,9 +36,6 @@ enum Decision {
 pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
     let mut fresh = None;
     if ctx.slot.is_none() {
-        if ctx.legacy_scope.is_some() {
-            adopt_legacy_scope(ctx).await?;
-        }
         // A completed key replays at once, with no lock — concurrent replays of one key never
         // queue behind each other — and, when cached, with no store read.
         if let Some(hit) = ctx.state.store.cached(&ctx.p.id) {
@@ -47,7 +44,10 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
             }
             return Err(key_reused());
         }
-        let record = get(ctx, &ctx.p.id.clone()).await?;
+        let mut record = get(ctx, &ctx.p.id).await?;
+        if record.is_none() && ctx.legacy_scope.is_some() {
+            record = adopt_legacy_scope(ctx).await?;
+        }
         if let Some(rec) = record
             .as_ref()
             .filter(|r| r.effective_state(now_ms()) == KeyState::Completed)
@@ -80,7 +80,7 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
         ctx.woken = ctx.state.store.subscribe_key(&ctx.p.id);
         let record = match fresh.take() {
             Some(record) => record,
-            None => get(ctx, &ctx.p.id.clone()).await?,
+            None => get(ctx, &ctx.p.id).await?,
         };
         match decide(ctx, record.as_ref())? {
             Decision::Replay(stored) => return Ok(Found::Replay(stored)),
@@ -174,20 +174,18 @@ async fn wait_foreign(ctx: &mut Ctx, until_ms: i64, deadline: Instant) -> ProxyR
 /// A key stored by the first release has an unkeyed scope. When the keyed scope finds no
 /// record, the old scope's record, if there is one, is this request's: an upgrade must never
 /// make a stored key look new to its own caller's retry.
-async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<()> {
-    if ctx.state.store.cached(&ctx.p.id).is_some() || get(ctx, &ctx.p.id.clone()).await?.is_some() {
-        return Ok(());
-    }
+/// Called when the keyed scope found nothing; the old record, now this request's, if any.
+async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<Option<KeyRecord>> {
     let Some((scope, uncovered)) = ctx.legacy_scope.clone() else {
-        return Ok(());
+        return Ok(None);
     };
     let old = ScopedKey {
         scope,
         ..ctx.p.id.clone()
     };
-    if get(ctx, &old).await?.is_none() {
-        return Ok(());
-    }
+    let Some(record) = get(ctx, &old).await? else {
+        return Ok(None);
+    };
     if uncovered {
         // It may be this caller's (then forwarding would repeat the write) or another session's
         // (then replaying would hand over its answer): neither, until an operator says.
@@ -199,7 +197,7 @@ async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<()> {
         ));
     }
     ctx.p.id = old;
-    Ok(())
+    Ok(Some(record))
 }
 
 fn key_reused() -> ProxyError {

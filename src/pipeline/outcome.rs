@@ -72,23 +72,29 @@ impl Ctx {
         if matches!(outcome, Outcome::Replayed(_)) {
             self.state.stats.on_replay();
         }
-        self.record(outcome.decision());
-        let key = self.prepared.then(|| self.p.key.clone());
-        match outcome {
-            Outcome::Replayed(stored) => Ok(respond(&stored, &self.p.key, true)),
+        let decision = outcome.decision();
+        let key = &self.p.key;
+        let answer = match outcome {
+            Outcome::Replayed(stored) => Ok(respond(&stored, key, true)),
             Outcome::Answered { answer, .. } => Ok(match answer {
-                Answer::Full(resp) => respond(&resp, &self.p.key, false),
+                Answer::Full(resp) => respond(&resp, key, false),
                 Answer::Streamed(head, body) => {
-                    let mut resp = respond(&head, &self.p.key, false);
+                    let mut resp = respond(&head, key, false);
                     *resp.body_mut() = body.map_err(Into::into).boxed();
                     resp
                 }
             }),
-            Outcome::NotSent(e) | Outcome::Unknown(e) | Outcome::Refused(e) => Err(match key {
-                Some(k) if e.key.is_none() => e.with_key(&k),
-                _ => e,
-            }),
-        }
+            Outcome::NotSent(e) | Outcome::Unknown(e) | Outcome::Refused(e) => {
+                Err(if self.prepared && e.key.is_none() {
+                    e.with_key(key)
+                } else {
+                    e
+                })
+            }
+        };
+        // Last: the audit row takes the request's key, fingerprint and entities (no copies).
+        self.record(decision);
+        answer
     }
 
     /// The audit row and the per-decision metrics.
@@ -101,11 +107,12 @@ impl Ctx {
             self.upstream_time,
         );
         let ms = |d: Duration| d.as_millis() as i64;
+        // The context ends here (finish, or drop): its strings move into the row.
         let (key, fingerprint, entities) = match self.prepared {
             true => (
-                Some(self.p.key.clone()),
-                Some(self.p.fingerprint.clone()),
-                self.p.entities.clone(),
+                Some(std::mem::take(&mut self.p.key)),
+                Some(std::mem::take(&mut self.p.fingerprint)),
+                std::mem::take(&mut self.p.entities),
             ),
             false => (None, None, Vec::new()),
         };

@@ -94,7 +94,7 @@ pub(super) async fn step(
         let extra = &ctx.upstream.scope_headers;
         let uncovered = key::credential_names(extra)
             .filter(|n| *n != http::header::AUTHORIZATION && !extra.contains(n))
-            .any(|n| parts.headers.contains_key(&n));
+            .any(|n| parts.headers.contains_key(n));
         ctx.legacy_scope = Some((key::legacy_scope(&parts.headers, extra), uncovered));
     }
     ctx.outgoing = Outgoing::new(&ctx.client, target, &ctx.p.key, parts, body)?;
