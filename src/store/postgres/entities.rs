@@ -114,30 +114,31 @@ pub async fn reset_version(pool: &PgPool, entity: &str) -> StoreResult<u64> {
     Ok(res.rows_affected())
 }
 
-#[async_trait]
-impl EntityStates for PgStore {
-    async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
-        let mut states = entity_states(&self.pool, entities).await?;
+impl PgStore {
+    /// Entity times as read, moved from the database clock onto this replica's.
+    fn local_states(&self, mut states: Vec<EntityState>) -> Vec<EntityState> {
         for s in &mut states {
             s.updated_at = self.clock.to_local(s.updated_at);
             if let Some(c) = &mut s.claim {
                 c.until = self.clock.to_local(c.until);
             }
         }
-        Ok(states)
+        states
+    }
+}
+
+#[async_trait]
+impl EntityStates for PgStore {
+    async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
+        let states = entity_states(&self.pool, entities).await?;
+        Ok(self.local_states(states))
     }
     async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
         release_claim(&self.pool, entity).await
     }
     async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>> {
-        let mut states = find_entities(&self.pool, entity).await?;
-        for s in &mut states {
-            s.updated_at = self.clock.to_local(s.updated_at);
-            if let Some(c) = &mut s.claim {
-                c.until = self.clock.to_local(c.until);
-            }
-        }
-        Ok(states)
+        let states = find_entities(&self.pool, entity).await?;
+        Ok(self.local_states(states))
     }
     async fn reset_version(&self, entity: &str) -> StoreResult<u64> {
         reset_version(&self.pool, entity).await
