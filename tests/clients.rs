@@ -90,6 +90,9 @@ async fn sdk_generated_keys_give_way_to_the_intent() {
     let r = post_json(&proxy.url("/api/wf"), Some(uuid), &body, &[]).await;
     r.assert_status(200);
     assert_eq!(r.idempotency_key(), Some(uuid));
+    let again = post_json(&proxy.url("/api/wf"), Some(uuid), &body, &[]).await;
+    assert_eq!(again.replayed(), Some(true));
+    assert_eq!(upstream.count(), 4, "the SDK's key dedupes its own retry");
 }
 
 #[tokio::test]
@@ -115,6 +118,11 @@ async fn proxy_errors_take_the_shape_of_the_upstream_api() {
         assert!(e.json().pointer(check).is_some(), "{format}: {}", e.text());
         assert!(e.text().contains("key_reused"), "{format}: {}", e.text());
     }
+    assert_eq!(
+        upstream.count(),
+        4,
+        "one forward per format; the reused key never"
+    );
 }
 
 #[tokio::test]

@@ -11,25 +11,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpSocket, TcpStream};
 
 fn config(upstream: &RecordingUpstream, server_extra: &str) -> String {
-    api_config(upstream, server_extra, "", ROUTES)
+    let routes = format!("{CHARGES_ROUTE}{CONTACTS_ROUTE}");
+    api_config(upstream, server_extra, "", &routes)
 }
-
-const ROUTES: &str = r#"
-[[routes]]
-name = "charges"
-upstream = "api"
-methods = ["POST"]
-path = "/v1/charges"
-
-[[routes]]
-name = "contact-update"
-upstream = "api"
-methods = ["PATCH"]
-path = "/contacts/{id}"
-entity = "contact:{path.id}"
-key = { header = "", derive = "{header.x-request-id}" }
-version = "{header.x-entity-version}"
-"#;
 
 /// A head that promises a 100-byte body, and one byte of it.
 const STALLED: &[u8] = b"POST /api/v1/charges HTTP/1.1\r\nhost: x\r\nidempotency-key: k-slow\r\n\
@@ -227,7 +211,7 @@ async fn control_characters_in_requests_never_reach_logs_or_cli_output_raw() {
 async fn credentials_in_upstream_urls_go_upstream_and_are_never_printed() {
     let upstream = RecordingUpstream::start().await;
     let text = format!(
-        "{}\n[upstreams.api]\nurl = \"http://robot:s3cr3tpw@{}\"\nprefix = \"/api\"\n{ROUTES}\n\
+        "{}\n[upstreams.api]\nurl = \"http://robot:s3cr3tpw@{}\"\nprefix = \"/api\"\n{CHARGES_ROUTE}\n\
          [[routes]]\nname = \"leaky\"\nupstream = \"api\"\nmethods = [\"POST\"]\npath = \"/leaky\"\n\
          key = {{ header = \"\", derive = \"{{header.authorization}}:{{fingerprint}}\" }}\n",
         server_section(),

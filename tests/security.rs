@@ -9,24 +9,7 @@ use serde_json::{json, Value};
 
 use common::api_config as config;
 
-const CHARGES: &str = r#"
-[[routes]]
-name = "charges"
-upstream = "api"
-methods = ["POST"]
-path = "/v1/charges"
-"#;
-
-const CONTACTS: &str = r#"
-[[routes]]
-name = "contact-update"
-upstream = "api"
-methods = ["PATCH"]
-path = "/contacts/{id}"
-entity = "contact:{path.id}"
-key = { header = "", derive = "{header.x-request-id}" }
-version = "{header.x-entity-version}"
-"#;
+use common::{CHARGES_ROUTE as CHARGES, CONTACTS_ROUTE as CONTACTS};
 
 async fn post(url: &str, key: &str, headers: &[(&str, &str)]) -> Resp {
     post_json(url, Some(key), &json!({"amount": 1}), headers).await

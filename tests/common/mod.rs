@@ -92,3 +92,25 @@ pub fn api_config(
         upstream.url()
     )
 }
+
+/// A plain keyed route: `POST /v1/charges` on upstream `api`, the default key rule.
+pub const CHARGES_ROUTE: &str = r#"
+[[routes]]
+name = "charges"
+upstream = "api"
+methods = ["POST"]
+path = "/v1/charges"
+"#;
+
+/// A versioned route: `PATCH /contacts/{id}`, entity `contact:{id}`, key from
+/// `X-Request-Id`, version from `X-Entity-Version`.
+pub const CONTACTS_ROUTE: &str = r#"
+[[routes]]
+name = "contact-update"
+upstream = "api"
+methods = ["PATCH"]
+path = "/contacts/{id}"
+entity = "contact:{path.id}"
+key = { header = "", derive = "{header.x-request-id}" }
+version = "{header.x-entity-version}"
+"#;
