@@ -1,24 +1,34 @@
 #!/usr/bin/env bash
-# Benchmark: idemproxy against a plain nginx reverse proxy, both in front of the same static
-# nginx upstream on loopback. Measures
+# Benchmark: idemproxy beside a plain nginx reverse proxy, both in front of the same static
+# nginx upstream on loopback, in one run, on the SQLite store and (when PostgreSQL 15's
+# binaries are here) on a throwaway local PostgreSQL cluster. Prints the table of issue 10:
 #   - nginx:        POST through a plain nginx proxy (the baseline),
 #   - replay:       POSTs that all carry one key (every answer a stored replay),
 #   - first write:  POSTs with a fresh key each (reserve durably, forward, store durably),
-#   - first write with an entity per customer (adds the entity lock).
+#                   at CONN connections and at 1 connection (p50 beside the upstream's own),
+#   - first write with an entity per customer (adds the entity lock), SQLite.
 # Usage: bench/run.sh [seconds] [connections]. Needs wrk and nginx (apt-get install wrk nginx).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DUR=${1:-10}
-CONN=${2:-32}
+DUR=${1:-8}
+CONN=${2:-64}
 THREADS=2
+PG_BIN=${PG_BIN:-/usr/lib/postgresql/15/bin}
 WORK=$(mktemp -d /tmp/idemproxy-bench.XXXXXX)
-trap 'kill $(cat "$WORK"/*.pid 2>/dev/null) 2>/dev/null || true; nginx -p "$WORK" -c "$WORK/nginx.conf" -s stop 2>/dev/null || true' EXIT
+chmod 755 "$WORK"
+cleanup() {
+  kill $(cat "$WORK"/*.pid 2>/dev/null) 2>/dev/null || true
+  nginx -p "$WORK" -c "$WORK/nginx.conf" -s stop 2>/dev/null || true
+  [ -d "$WORK/pg" ] && runuser -u postgres -- "$PG_BIN/pg_ctl" -D "$WORK/pg" -m immediate stop >/dev/null 2>&1 || true
+}
+trap cleanup EXIT
 
 command -v wrk >/dev/null || { echo "wrk is missing: apt-get install wrk"; exit 1; }
 command -v nginx >/dev/null || { echo "nginx is missing: apt-get install nginx"; exit 1; }
 
 free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 UP=$(free_port); NGX=$(free_port); PROXY=$(free_port); ADMIN=$(free_port)
+PGPORT=$(free_port); PGPROXY=$(free_port); PGADMIN=$(free_port)
 
 mkdir -p "$WORK/logs"
 cat > "$WORK/nginx.conf" <<NGINX
@@ -47,12 +57,13 @@ http {
 NGINX
 nginx -p "$WORK" -c "$WORK/nginx.conf"
 
-cat > "$WORK/proxy.toml" <<TOML
+proxy_toml() { # listen admin store-lines
+cat <<TOML
 [server]
-listen = "127.0.0.1:$PROXY"
-admin_listen = "127.0.0.1:$ADMIN"
+listen = "127.0.0.1:$1"
+admin_listen = "127.0.0.1:$2"
 [store]
-url = "sqlite://$WORK/idemproxy.db"
+$3
 [upstreams.api]
 url = "http://127.0.0.1:$UP"
 prefix = "/api"
@@ -68,11 +79,28 @@ methods = ["POST"]
 path = "/v2/charges"
 entity = "customer:{body.customer}"
 TOML
+}
+proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$WORK/idemproxy.db\"" > "$WORK/proxy.toml"
 
 cargo build --release -q
-RUST_LOG=warn ./target/release/idemproxy serve --config "$WORK/proxy.toml" 2>"$WORK/idemproxy.log" &
-echo $! > "$WORK/idemproxy.pid"
-for _ in $(seq 100); do curl -fs "http://127.0.0.1:$ADMIN/healthz" >/dev/null && break; sleep 0.1; done
+serve() { # name config admin-port
+  RUST_LOG=warn ./target/release/idemproxy serve --config "$2" 2>"$WORK/$1.log" &
+  echo $! > "$WORK/$1.pid"
+  for _ in $(seq 100); do curl -fs "http://127.0.0.1:$3/healthz" >/dev/null && break; sleep 0.1; done
+}
+serve idemproxy "$WORK/proxy.toml" "$ADMIN"
+
+HAVE_PG=0
+if [ -x "$PG_BIN/initdb" ] && id postgres >/dev/null 2>&1; then
+  mkdir -p "$WORK/pg" && chown postgres "$WORK/pg"
+  runuser -u postgres -- "$PG_BIN/initdb" -D "$WORK/pg" -A trust -U postgres >/dev/null
+  runuser -u postgres -- "$PG_BIN/pg_ctl" -D "$WORK/pg" -l "$WORK/pg/server.log" -w \
+    -o "-p $PGPORT -k $WORK/pg -c listen_addresses=127.0.0.1" start >/dev/null
+  proxy_toml "$PGPROXY" "$PGADMIN" "url = \"postgres://postgres@127.0.0.1:$PGPORT/postgres\"
+scope_secret = \"bench-secret-0123456789abcdef0123456789\"" > "$WORK/pg.toml"
+  serve idemproxy-pg "$WORK/pg.toml" "$PGADMIN"
+  HAVE_PG=1
+fi
 
 run() { # id label url script
   local id=$1; shift
@@ -85,6 +113,13 @@ run() { # id label url script
   errors=$(echo "$out" | awk '/Non-2xx/ {print $5}')
   printf '%-34s %12s req/s   p50 %8s   p99 %8s   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${errors:-0}"
   echo "$rps" > "$WORK/$id.rps"
+  echo "$p50" > "$WORK/$id.p50"
+}
+one() { # id label url: one connection, the p50 is what counts
+  local saved=$CONN saved_t=$THREADS
+  CONN=1; THREADS=1
+  run "$@"
+  CONN=$saved; THREADS=$saved_t
 }
 
 sed 's#/api/v1/charges#/api/v2/charges#' bench/first_write.lua > "$WORK/first_write_entity.lua"
@@ -95,14 +130,43 @@ curl -fs -X POST -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-
 run replay "idemproxy replay" "http://127.0.0.1:$PROXY/api/v1/charges" bench/replay.lua
 run first "idemproxy first write" "http://127.0.0.1:$PROXY/api/v1/charges" bench/first_write.lua
 run entity "idemproxy first write + entity" "http://127.0.0.1:$PROXY/api/v2/charges" "$WORK/first_write_entity.lua"
+one direct1 "upstream direct, 1 conn" "http://127.0.0.1:$UP/api/v1/charges" bench/first_write.lua
+one first1 "idemproxy first write, 1 conn" "http://127.0.0.1:$PROXY/api/v1/charges" bench/first_write.lua
+if [ "$HAVE_PG" = 1 ]; then
+  run pgfirst "idemproxy first write (PostgreSQL)" "http://127.0.0.1:$PGPROXY/api/v1/charges" bench/first_write.lua
+  one pgfirst1 "  ... 1 conn (PostgreSQL)" "http://127.0.0.1:$PGPROXY/api/v1/charges" bench/first_write.lua
+fi
 
-python3 - "$WORK" <<'PY'
+python3 - "$WORK" "$CONN" <<'PY'
 import sys, pathlib
-w = pathlib.Path(sys.argv[1])
-r = lambda n: float((w / n).read_text())
+w, conn = pathlib.Path(sys.argv[1]), sys.argv[2]
+def r(n):
+    p = w / n
+    return float(p.read_text()) if p.exists() else None
+def ms(n):
+    p = w / n
+    if not p.exists():
+        return None
+    t = p.read_text().strip()
+    for unit, f in (("us", 1e-3), ("ms", 1.0), ("s", 1e3)):
+        if t.endswith(unit):
+            return float(t[: -len(unit)]) * f
+    return None
 base = r("nginx.rps")
-print(f"\nreplay / nginx:       {r('replay.rps') / base:5.2f}x  (goal > 1)")
-print(f"first write / nginx:  {r('first.rps') / base:5.2f}x  (goal >= 0.5)")
+rows = [
+    (f"replay, {conn} connections", f"{base:,.0f} req/s", r("replay.rps"), ">= 1.5x nginx"),
+    (f"first write, {conn} connections, SQLite", f"{base:,.0f} req/s", r("first.rps"), ">= 0.5x nginx"),
+    (f"first write, {conn} connections, PostgreSQL", f"{base:,.0f} req/s", r("pgfirst.rps"), ">= 0.3x nginx"),
+]
+print(f"\n| workload | nginx proxy_pass | idemproxy | goal |\n|---|---|---|---|")
+for name, b, v, goal in rows:
+    cell = "not run" if v is None else f"{v:,.0f} ({v / base:.2f}x nginx)"
+    print(f"| {name} | {b} | {cell} | {goal} |")
+d = ms("direct1.p50")
+for name, key, goal in (("SQLite", "first1.p50", f"<= direct + 0.3 ms"), ("PostgreSQL", "pgfirst1.p50", "<= 0.8 ms")):
+    v = ms(key)
+    cell = "not run" if v is None else f"{v:.2f} ms"
+    print(f"| first write, 1 connection, {name}, p50 | direct {d:.3f} ms | {cell} | {goal} |")
 PY
 curl -fs "http://127.0.0.1:$ADMIN/metrics" | grep -E '^idemproxy_(forwards|replays|store_errors|audit_dropped)_total' || true
 # Memory after every workload: every first write above is a stored key, its answer cached.

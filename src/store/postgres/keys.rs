@@ -17,38 +17,13 @@ impl Keys for PgStore {
         Ok(self.clock.records(row.as_slice())?.pop())
     }
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
-        let row = sqlx::query(&format!(
-            "INSERT INTO idem_keys (upstream, scope, key, fingerprint, route, entities, state, owner, lease_until, epoch, attempts, created_at, updated_at) \
-             SELECT $1, $2, $3, $4, $5, $6::jsonb, 'in_flight', $7, now_ms + $8, 1, 1, now_ms, now_ms FROM (SELECT {NOW} AS now_ms) t \
-             ON CONFLICT (upstream, scope, key) DO UPDATE SET {} WHERE {} RETURNING epoch",
-            rules::RESERVE_SET,
-            rules::reservable("$9")
-        ))
-        .bind(&r.id.upstream)
-        .bind(&r.id.scope)
-        .bind(&r.id.key)
-        .bind(&r.fingerprint)
-        .bind(&r.route)
-        .bind(codec::encode_entities(&r.entities))
-        .bind(&r.owner)
-        .bind(lease_ms(r.lease))
-        .bind(r.take_unknown)
-        .fetch_optional(&self.pool)
-        .await?;
-        if let Some(row) = row {
-            return Ok(Reserved::Owned {
-                epoch: row.try_get(0)?,
-            });
-        }
-        match self.get(&r.id).await? {
-            Some(rec) => Ok(Reserved::Existing(Box::new(rec))),
-            None => Err(StoreError::Corrupt(
-                "the key vanished while it was being reserved".into(),
-            )),
-        }
+        self.reserves.call(r).await
     }
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
         let c = outcome.into_columns();
+        if c.effects.is_empty() {
+            return self.finishes.call((id.clone(), epoch, c)).await;
+        }
         // One transaction: the answer and its effects stand or fall together; the
         // notification goes out at commit.
         let mut tx = self.pool.begin().await?;

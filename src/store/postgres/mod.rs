@@ -15,6 +15,8 @@
 //!   skewed clocks still agree on who holds what.
 
 mod audit;
+mod batch;
+mod batched;
 mod entities;
 mod keys;
 mod locks;
@@ -42,6 +44,9 @@ use super::rows::{self, KEY_COLUMNS_PG as COLUMNS};
 
 pub struct PgStore {
     pool: PgPool,
+    /// Reservations and outcomes, many per round trip (see [`batch`]).
+    reserves: batch::Batcher<Reservation, Reserved>,
+    finishes: batch::Batcher<batched::Finishing, bool>,
     hub: Arc<Hub>,
     listener: tokio::task::JoinHandle<()>,
     clock: Clock,
@@ -123,8 +128,24 @@ impl PgStore {
                 }
             })
         };
+        let reserves = {
+            let (pool, clock) = (pool.clone(), clock.clone());
+            batch::Batcher::start(move |rs| {
+                let (pool, clock) = (pool.clone(), clock.clone());
+                async move { batched::reserve_many(&pool, &clock, rs).await }
+            })
+        };
+        let finishes = {
+            let (pool, clock) = (pool.clone(), clock.clone());
+            batch::Batcher::start(move |fs| {
+                let (pool, clock) = (pool.clone(), clock.clone());
+                async move { batched::finish_many(&pool, &clock, fs).await }
+            })
+        };
         Ok(PgStore {
             pool,
+            reserves,
+            finishes,
             hub,
             listener,
             clock,

@@ -57,6 +57,7 @@ impl SqliteStore {
         };
         let reads = SqlitePoolOptions::new()
             .max_connections(8)
+            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(5))
             .connect_with(opts.clone())
             .await?;

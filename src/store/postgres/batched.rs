@@ -1,0 +1,169 @@
+//! The multi-row statements the [`Batcher`]s send: every reservation of a batch in one upsert,
+//! every outcome without entity effects in one update, each over `UNNEST`ed arrays.
+
+use super::*;
+use crate::store::FinishColumns;
+use std::collections::{HashMap, HashSet};
+
+/// An outcome to store: the key, the epoch that must still own it, the columns.
+pub(super) type Finishing = (ScopedKey, i64, FinishColumns);
+
+/// Reserves every key it can; the others come back as the record that stands.
+pub(super) async fn reserve_many(
+    pool: &PgPool,
+    clock: &Clock,
+    rs: Vec<Reservation>,
+) -> StoreResult<Vec<Reserved>> {
+    let mut out: Vec<Option<Reserved>> = rs.iter().map(|_| None).collect();
+    let mut pending: Vec<usize> = (0..rs.len()).collect();
+    // An upsert may touch a row once: a key twice in one batch (never from one replica's
+    // key slots, but cheap to rule out) waits for the next round, and finds the first's
+    // reservation there.
+    while !pending.is_empty() {
+        let mut seen = HashSet::new();
+        let (round, later): (Vec<usize>, Vec<usize>) =
+            pending.iter().partition(|&&i| seen.insert(&rs[i].id));
+        for take_unknown in [false, true] {
+            let mut group: Vec<usize> = round
+                .iter()
+                .copied()
+                .filter(|&i| rs[i].take_unknown == take_unknown)
+                .collect();
+            if group.is_empty() {
+                continue;
+            }
+            // Rows are locked in key order, so two replicas' batches cannot deadlock.
+            group.sort_by(|&a, &b| {
+                let (a, b) = (&rs[a].id, &rs[b].id);
+                (&a.upstream, &a.scope, &a.key).cmp(&(&b.upstream, &b.scope, &b.key))
+            });
+            let col = |f: fn(&Reservation) -> &str| -> Vec<&str> {
+                group.iter().map(|&i| f(&rs[i])).collect()
+            };
+            let entities: Vec<String> = group
+                .iter()
+                .map(|&i| codec::encode_entities(&rs[i].entities))
+                .collect();
+            let leases: Vec<i64> = group.iter().map(|&i| lease_ms(rs[i].lease)).collect();
+            let rows = sqlx::query(&format!(
+                "INSERT INTO idem_keys (upstream, scope, key, fingerprint, route, entities, state, owner, \
+                   lease_until, epoch, attempts, created_at, updated_at) \
+                 SELECT v.u, v.s, v.k, v.f, v.r, v.e::jsonb, 'in_flight', v.o, t.now_ms + v.l, 1, 1, t.now_ms, t.now_ms \
+                 FROM (SELECT {NOW} AS now_ms) t, \
+                   UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[]) \
+                   WITH ORDINALITY AS v(u, s, k, f, r, e, o, l, n) \
+                 ORDER BY v.n \
+                 ON CONFLICT (upstream, scope, key) DO UPDATE SET {} WHERE {} \
+                 RETURNING upstream, scope, key, epoch",
+                rules::RESERVE_SET,
+                rules::reservable(if take_unknown { "TRUE" } else { "FALSE" })
+            ))
+            .bind(col(|r| &r.id.upstream))
+            .bind(col(|r| &r.id.scope))
+            .bind(col(|r| &r.id.key))
+            .bind(col(|r| &r.fingerprint))
+            .bind(col(|r| &r.route))
+            .bind(entities)
+            .bind(col(|r| &r.owner))
+            .bind(leases)
+            .fetch_all(pool)
+            .await?;
+            let index = by_id(group.iter().map(|&i| (i, &rs[i].id)));
+            for row in rows {
+                let id: (&str, &str, &str) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+                if let Some(&i) = index.get(&id) {
+                    out[i] = Some(Reserved::Owned {
+                        epoch: row.try_get(3)?,
+                    });
+                }
+            }
+        }
+        pending = later;
+    }
+    let mut reserved = Vec::with_capacity(rs.len());
+    for (r, got) in rs.iter().zip(out) {
+        reserved.push(match got {
+            Some(owned) => owned,
+            None => Reserved::Existing(Box::new(existing(pool, clock, &r.id).await?)),
+        });
+    }
+    Ok(reserved)
+}
+
+async fn existing(pool: &PgPool, clock: &Clock, id: &ScopedKey) -> StoreResult<KeyRecord> {
+    let row = sqlx::query(&format!(
+        "SELECT {COLUMNS} FROM idem_keys WHERE upstream = $1 AND scope = $2 AND key = $3"
+    ))
+    .bind(&id.upstream)
+    .bind(&id.scope)
+    .bind(&id.key)
+    .fetch_optional(pool)
+    .await?;
+    clock
+        .records(row.as_slice())?
+        .pop()
+        .ok_or_else(|| StoreError::Corrupt("the key vanished while it was being reserved".into()))
+}
+
+/// Stores every outcome whose epoch still owns its key (`false` for the fenced ones), and
+/// NOTIFYs each stored key in the same statement. Outcomes with entity effects are not
+/// batched: their effects share their transaction.
+pub(super) async fn finish_many(
+    pool: &PgPool,
+    clock: &Clock,
+    fs: Vec<Finishing>,
+) -> StoreResult<Vec<bool>> {
+    let ids =
+        |f: fn(&ScopedKey) -> &str| -> Vec<&str> { fs.iter().map(|(id, _, _)| f(id)).collect() };
+    let epochs: Vec<i64> = fs.iter().map(|(_, e, _)| *e).collect();
+    let states: Vec<&str> = fs.iter().map(|(_, _, c)| c.state.as_str()).collect();
+    let statuses: Vec<Option<i32>> = fs.iter().map(|(_, _, c)| c.status.map(i32::from)).collect();
+    let headers: Vec<Option<&[u8]>> = fs.iter().map(|(_, _, c)| c.headers.as_deref()).collect();
+    let bodies: Vec<Option<&[u8]>> = fs.iter().map(|(_, _, c)| c.body.as_deref()).collect();
+    let expiries: Vec<Option<i64>> = fs
+        .iter()
+        .map(|(_, _, c)| c.expires_at.map(|t| clock.to_db(t)))
+        .collect();
+    let rows = sqlx::query(&format!(
+        "WITH u AS (UPDATE idem_keys k SET state = v.st, status = v.status, headers = v.h, body = v.b, \
+           expires_at = v.x, owner = NULL, updated_at = {NOW} \
+         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::text[], $6::int4[], $7::bytea[], $8::bytea[], $9::int8[]) \
+           AS v(u, s, k, epoch, st, status, h, b, x) \
+         WHERE k.upstream = v.u AND k.scope = v.s AND k.key = v.k AND k.state = 'in_flight' AND k.epoch = v.epoch \
+         RETURNING k.upstream, k.scope, k.key) \
+         SELECT upstream, scope, key, pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u"
+    ))
+    .bind(ids(|id| &id.upstream))
+    .bind(ids(|id| &id.scope))
+    .bind(ids(|id| &id.key))
+    .bind(epochs)
+    .bind(states)
+    .bind(statuses)
+    .bind(headers)
+    .bind(bodies)
+    .bind(expiries)
+    .fetch_all(pool)
+    .await?;
+    let mut owned = vec![false; fs.len()];
+    let index = by_id(fs.iter().enumerate().map(|(i, (id, _, _))| (i, id)));
+    for row in rows {
+        let id: (&str, &str, &str) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+        if let Some(&i) = index.get(&id) {
+            owned[i] = true;
+        }
+    }
+    Ok(owned)
+}
+
+/// Where each key sits in its batch (keys are unique within a statement).
+fn by_id<'a>(
+    ids: impl Iterator<Item = (usize, &'a ScopedKey)>,
+) -> HashMap<(&'a str, &'a str, &'a str), usize> {
+    ids.map(|(i, id)| {
+        (
+            (id.upstream.as_str(), id.scope.as_str(), id.key.as_str()),
+            i,
+        )
+    })
+    .collect()
+}
