@@ -2,17 +2,17 @@
 //! Never reachable from the main listener (it is a different socket).
 
 use crate::error::{ErrorKind, ProxyError};
-use crate::state::AppState;
+use crate::state::{AppState, Live};
 use crate::store::{now_ms, AuditRow, KeyRecord, Store, StoreResult};
 use crate::upstream::{full, ProxyBody};
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use percent_encoding::percent_decode_str;
 use serde_json::{json, Value};
-use std::sync::Arc;
 
-/// Answers one admin request.
-pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
+/// Answers one admin request (under the configuration in force when it arrived).
+pub async fn handle(live: Live, req: Request<Incoming>) -> Response<ProxyBody> {
+    let state = live.load_full();
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
     match (&method, path.as_str()) {
@@ -48,12 +48,34 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
                     "a valid bearer token is required",
                 ));
             }
+            if (&method, p) == (&Method::POST, "/admin/reload") {
+                return reloaded(&live);
+            }
             admin_api(&state, &method, p).await
         }
         _ => error(ProxyError::new(
             ErrorKind::NotFound,
             format!("no admin endpoint {method} {path}"),
         )),
+    }
+}
+
+/// `POST /admin/reload`: `200` with the settings kept, or `400` with every error
+/// (`file:line:col: message`) and nothing changed.
+fn reloaded(live: &Live) -> Response<ProxyBody> {
+    match crate::reload::reload(live) {
+        Ok(kept) => json_response(StatusCode::OK, json!({"reloaded": true, "kept": kept})),
+        Err(errors) => json_response(
+            StatusCode::BAD_REQUEST,
+            json!({
+                "error": {
+                    "type": "config_invalid",
+                    "message": "the configuration file is invalid; nothing changed",
+                    "errors": errors,
+                },
+                "reloaded": false,
+            }),
+        ),
     }
 }
 

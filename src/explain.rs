@@ -176,6 +176,13 @@ pub fn explain(
     if let Some(native) = &upstream.native_idempotency_header {
         let _ = writeln!(w, "native:      sends {native}: {}", p.key);
     }
+    if route.mode == crate::config::Mode::Observe {
+        let _ = writeln!(
+            w,
+            "outcome:     observed (mode = observe): forwarded as is, never held, refused or replayed; what enforce mode would do is recorded (Idemproxy-Observed, idemproxy_observed_total)"
+        );
+        return Ok(out);
+    }
     let _ = writeln!(
         w,
         "outcome:     protected: replay if stored with this fingerprint, else lock the entities, reserve the key, forward once (in_flight = {:?})",

@@ -9,7 +9,8 @@
 //!   peer, back-off when file descriptors run out, rate-limited logs.
 //! - [`router`]: the main-listener router: prefix → upstream, path safety, safe methods streamed
 //!   through, route matching, `unmatched` policy.
-//! - [`state`]: the state every request shares (`AppState`).
+//! - [`state`]: the state every request shares (`AppState`), and the one in force (`Live`).
+//! - [`reload`]: the configuration read again on `SIGHUP` or `POST /admin/reload`.
 //! - [`pipeline`]: the protected-request pipeline, SPEC.md's seven steps in seven files —
 //!   prepare, lookup, lock, checks, reserve, forward, store — over one request context and one
 //!   typed outcome.
@@ -48,6 +49,7 @@ pub mod locks;
 pub mod logging;
 pub mod metrics;
 pub mod pipeline;
+pub mod reload;
 pub mod route;
 pub mod router;
 pub mod server;

@@ -17,7 +17,8 @@ const SHARDS: usize = 16;
 type Shard = Mutex<HashMap<String, Arc<Semaphore>>>;
 
 /// A sharded table of named one-permit locks.
-#[derive(Default)]
+/// Clones share the table (a reloaded configuration keeps every lock held).
+#[derive(Default, Clone)]
 pub struct LockTable {
     // std Mutex: held only to look up or remove an entry, never across an await.
     shards: Arc<[Shard; SHARDS]>,

@@ -19,6 +19,17 @@ struct RequestLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ObservedLabels {
+    route: String,
+    would: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RouteLabels {
     route: String,
 }
@@ -41,6 +52,9 @@ pub struct Stats {
     in_flight: Gauge,
     waiting: Gauge,
     requests: Family<RequestLabels, Counter>,
+    /// Observe mode: what enforce mode would have done.
+    observed: Family<ObservedLabels, Counter>,
+    reloads: Family<ResultLabels, Counter>,
     upstream_seconds: Histograms,
     lock_wait_seconds: Histograms,
 }
@@ -66,6 +80,8 @@ impl Default for Stats {
             in_flight: Gauge::default(),
             waiting: Gauge::default(),
             requests: Family::default(),
+            observed: Family::default(),
+            reloads: Family::default(),
             upstream_seconds: Family::new_with_constructor(seconds_histogram),
             lock_wait_seconds: Family::new_with_constructor(seconds_histogram),
         };
@@ -74,6 +90,16 @@ impl Default for Stats {
             "idemproxy_requests",
             "Protected requests by route and decision",
             s.requests.clone(),
+        );
+        r.register(
+            "idemproxy_observed",
+            "Observe mode: requests enforce mode would have replayed, refused or held, by route and what it would have done",
+            s.observed.clone(),
+        );
+        r.register(
+            "idemproxy_config_reloads",
+            "Configuration reloads by result (ok or error)",
+            s.reloads.clone(),
         );
         r.register(
             "idemproxy_protected_requests",
@@ -193,6 +219,26 @@ impl Stats {
                 .get_or_create(&labels)
                 .observe(u.as_secs_f64());
         }
+    }
+
+    /// An observed request that enforce mode would have acted on (`would`).
+    pub(crate) fn on_observed(&self, route: &str, would: &str) {
+        self.observed
+            .get_or_create(&ObservedLabels {
+                route: route.to_owned(),
+                would: would.to_owned(),
+            })
+            .inc();
+    }
+
+    /// A configuration reload, applied or refused.
+    pub(crate) fn on_reload(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.reloads
+            .get_or_create(&ResultLabels {
+                result: result.into(),
+            })
+            .inc();
     }
 
     /// The OpenMetrics text exposition.

@@ -101,7 +101,9 @@ pub fn resolve<'p>(
     crate::route::check_path(path).map_err(|why| ProxyError::new(ErrorKind::BadPath, why))?;
     check_method(method)?;
     let (upstream, rel) = match listener {
-        Listener::Upstream(u) => (u.clone(), path),
+        // By name in the configuration in force (a reload may have changed its rules); an
+        // upstream a reload removed keeps the rules its listener started with.
+        Listener::Upstream(u) => (config.upstream(&u.name).unwrap_or(u).clone(), path),
         Listener::Main => find_upstream(config, path).ok_or_else(|| {
             ProxyError::new(
                 ErrorKind::NoRoute,

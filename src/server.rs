@@ -7,15 +7,15 @@ use crate::config::Config;
 use crate::locks::LockTable;
 use crate::metrics::Stats;
 use crate::router::{self, Listener};
-use crate::state::AppState;
-use crate::upstream::{ProxyBody, UpstreamClient};
+use crate::state::{AppState, Live};
+use crate::upstream::ProxyBody;
 use anyhow::Context;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -78,14 +78,7 @@ impl Server {
                 "keys stored by the first release remain: look-ups also try their unkeyed scopes"
             );
         }
-        let roots = crate::upstream::default_roots();
-        let mut clients = HashMap::new();
-        for u in &config.upstreams {
-            clients.insert(
-                u.name.clone(),
-                Arc::new(UpstreamClient::new(u.clone(), &roots)?),
-            );
-        }
+        let clients = crate::state::clients(&config)?;
         let stats = Arc::new(Stats::default());
         let background_stop = CancellationToken::new();
         let (auditor, audit_task) =
@@ -109,9 +102,11 @@ impl Server {
             stats,
             tracker: TaskTracker::new(),
             owner: format!("pid{}-{}", std::process::id(), crate::store::now_ms()),
-            scoper,
+            scoper: Arc::new(scoper),
             legacy_scopes: check.legacy_keys,
         });
+        let live: Live = Arc::new(arc_swap::ArcSwap::new(state.clone()));
+        let hangup = tokio::spawn(reload_on_hangup(live.clone(), background_stop.clone()));
         let tls = match &config.server.tls {
             Some(files) => Some(tls_acceptor(files)?),
             None => None,
@@ -129,7 +124,7 @@ impl Server {
         loops.push(serve(
             main,
             tls.clone(),
-            proxy_handler(&state, Listener::Main),
+            proxy_handler(&live, Listener::Main),
             limits,
             cancel.clone(),
         ));
@@ -143,7 +138,7 @@ impl Server {
             loops.push(serve(
                 l,
                 tls.clone(),
-                proxy_handler(&state, Listener::Upstream(u.clone())),
+                proxy_handler(&live, Listener::Upstream(u.clone())),
                 limits,
                 cancel.clone(),
             ));
@@ -157,10 +152,10 @@ impl Server {
                 if !admin::admin_open(&state) {
                     tracing::warn!(addr = %addr, "the admin listener is not on loopback and no admin_token is set: /admin/* is refused (403); /healthz, /readyz and /metrics are served. Set server.admin_token to use the admin API");
                 }
-                let st = state.clone();
+                let live = live.clone();
                 let handler: Handler = Arc::new(move |req| {
-                    let st = st.clone();
-                    Box::pin(async move { admin::handle(st, req).await })
+                    let live = live.clone();
+                    Box::pin(async move { admin::handle(live, req).await })
                 });
                 loops.push(serve(l, None, handler, limits, cancel.clone()));
                 Some(addr)
@@ -181,7 +176,7 @@ impl Server {
             cancel,
             loops,
             background_stop,
-            background: vec![audit_task, retention_task],
+            background: vec![audit_task, retention_task, hangup],
         })
     }
 
@@ -225,12 +220,39 @@ async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
         .with_context(|| format!("cannot listen on {addr}"))
 }
 
-fn proxy_handler(state: &Arc<AppState>, listener: Listener) -> Handler {
-    let state = state.clone();
+/// Each request takes the state in force when it starts (see [`Live`]).
+fn proxy_handler(live: &Live, listener: Listener) -> Handler {
+    let live = live.clone();
     Arc::new(move |req| {
-        let (state, listener) = (state.clone(), listener.clone());
+        let (state, listener) = (live.load_full(), listener.clone());
         Box::pin(async move { router::handle(state, listener, req).await })
     })
+}
+
+/// `SIGHUP` reloads the configuration file (see [`crate::reload`]).
+async fn reload_on_hangup(live: Live, stop: CancellationToken) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+            tracing::warn!("cannot listen for SIGHUP; reload with POST /admin/reload");
+            return;
+        };
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => return,
+                got = hangups.recv() => {
+                    if got.is_none() {
+                        return;
+                    }
+                    tracing::info!("SIGHUP: reloading the configuration");
+                    let _ = crate::reload::reload(&live);
+                }
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    stop.cancelled().await;
 }
 
 /// Accepts connections until cancelled, then drains them gracefully.

@@ -28,13 +28,49 @@ pub struct AppState {
     /// Where requests' audit rows go (written in batches off the request path).
     pub auditor: crate::audit::Auditor,
     /// Keys credential scopes with the store's scope secret.
-    pub scoper: crate::key::ScopeKeyer,
+    pub scoper: Arc<crate::key::ScopeKeyer>,
     /// Keys stored by the first release (unkeyed scopes) may still be in the store: a look-up
     /// that finds nothing under the keyed scope also tries the old one.
     pub legacy_scopes: bool,
 }
 
+/// The state in force: a request takes the current one when it starts and keeps it to its
+/// end, so a reload changes the rules for requests that start after it, never mid-request.
+pub type Live = Arc<arc_swap::ArcSwap<AppState>>;
+
+/// A client for every upstream of `config` (each with its own connection pool).
+pub fn clients(config: &Config) -> anyhow::Result<HashMap<String, Arc<UpstreamClient>>> {
+    let roots = crate::upstream::default_roots();
+    let mut clients = HashMap::new();
+    for u in &config.upstreams {
+        clients.insert(
+            u.name.clone(),
+            Arc::new(UpstreamClient::new(u.clone(), &roots)?),
+        );
+    }
+    Ok(clients)
+}
+
 impl AppState {
+    /// The same process under another configuration: the store, locks, stats, tracker,
+    /// auditor and scope keyer are shared (a key's slot and an entity's lock are the same
+    /// before and after a reload); the upstream clients are `config`'s.
+    pub fn reconfigured(&self, config: Arc<Config>) -> anyhow::Result<AppState> {
+        Ok(AppState {
+            clients: clients(&config)?,
+            config,
+            store: self.store.clone(),
+            key_locks: self.key_locks.clone(),
+            entity_locks: self.entity_locks.clone(),
+            stats: self.stats.clone(),
+            tracker: self.tracker.clone(),
+            owner: self.owner.clone(),
+            auditor: self.auditor.clone(),
+            scoper: self.scoper.clone(),
+            legacy_scopes: self.legacy_scopes,
+        })
+    }
+
     /// The client of an upstream (always present: built for every upstream at start).
     pub fn client(&self, upstream: &Upstream) -> ProxyResult<&Arc<UpstreamClient>> {
         self.clients.get(&upstream.name).ok_or_else(|| {

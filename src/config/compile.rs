@@ -52,6 +52,7 @@ pub(super) fn compile(
     if cx.errors.is_empty() {
         Ok(Config {
             origin: origin.to_owned(),
+            source: None,
             server,
             store,
             upstreams,
@@ -361,7 +362,11 @@ fn upstreams(
                 .filter(|r| &r.upstream == name)
                 .cloned()
                 .collect(),
-            unmatched_route: Arc::new(Route::unmatched(name, store_retention)),
+            unmatched_route: Arc::new(Route::unmatched(
+                name,
+                store_retention,
+                u.mode.as_ref().and_then(|v| cx.mode(v)).unwrap_or_default(),
+            )),
         }));
     }
     out

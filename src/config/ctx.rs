@@ -4,6 +4,7 @@
 
 use super::raw::Str;
 use super::units::{expand_env, parse_duration};
+use super::Mode;
 use crate::template::Template;
 use http::HeaderName;
 use std::net::SocketAddr;
@@ -69,6 +70,16 @@ impl Ctx<'_> {
         HeaderName::from_bytes(s.as_bytes())
             .map_err(|_| self.err(v.span(), format!("{s:?} is not a header name")))
             .ok()
+    }
+
+    /// `mode = "enforce" | "observe"`.
+    pub(super) fn mode(&mut self, v: &Str) -> Option<Mode> {
+        let s = self.s(v)?;
+        let mode = Mode::parse(&s);
+        if mode.is_none() {
+            self.err(v.span(), format!("mode = {s:?}: use enforce or observe"));
+        }
+        mode
     }
 
     pub(super) fn template(&mut self, v: &Str) -> Option<Template> {

@@ -26,6 +26,8 @@ use std::time::Duration;
 pub struct Config {
     /// Where it came from (file name), for messages.
     pub origin: String,
+    /// The file it was loaded from: what a reload reads again (`None`: built from text).
+    pub source: Option<std::path::PathBuf>,
     pub server: ServerConfig,
     pub store: StoreConfig,
     /// In file order... of the TOML table (alphabetical).
@@ -126,6 +128,33 @@ pub struct Upstream {
     pub unmatched_route: Arc<Route>,
 }
 
+/// What the proxy does with a protected request (SPEC "Observe mode").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Mode {
+    /// Keys, locks, checks: duplicates are replayed, conflicts refused.
+    #[default]
+    Enforce,
+    /// Everything is forwarded as is; what enforce mode would have done is recorded.
+    Observe,
+}
+
+impl Mode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Enforce => "enforce",
+            Mode::Observe => "observe",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Mode> {
+        match s {
+            "enforce" => Some(Mode::Enforce),
+            "observe" => Some(Mode::Observe),
+            _ => None,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum InFlight {
     Wait,
@@ -159,6 +188,8 @@ pub struct Route {
     pub entity: Option<Template>,
     pub key: KeyRule,
     pub in_flight: InFlight,
+    /// The route's own `mode`, else its upstream's, else enforce.
+    pub mode: Mode,
     pub lock_timeout: Duration,
     pub fingerprint: FingerprintRule,
     pub version: Option<Template>,
@@ -234,7 +265,9 @@ impl Config {
         let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
             errors: vec![format!("{}: cannot read: {e}", path.display())],
         })?;
-        Config::from_toml(&text, &path.display().to_string())
+        let mut config = Config::from_toml(&text, &path.display().to_string())?;
+        config.source = Some(path.to_owned());
+        Ok(config)
     }
 
     /// Parses and validates config text; `origin` names it in errors.
@@ -254,7 +287,7 @@ impl Config {
 
 impl Route {
     /// The implicit route of `unmatched = "protect"`.
-    pub fn unmatched(upstream: &str, retention: Duration) -> Route {
+    pub fn unmatched(upstream: &str, retention: Duration, mode: Mode) -> Route {
         Route {
             name: format!("{upstream}:unmatched"),
             upstream: upstream.to_owned(),
@@ -269,6 +302,7 @@ impl Route {
                 required: true,
             },
             in_flight: InFlight::Wait,
+            mode,
             lock_timeout: Duration::from_secs(30),
             fingerprint: FingerprintRule::default(),
             version: None,
@@ -305,13 +339,14 @@ impl Route {
             "optional"
         };
         format!(
-            "{}: upstream={} methods={} path={} entity={} key=[{key}] ({required}) in_flight={:?}",
+            "{}: upstream={} methods={} path={} entity={} key=[{key}] ({required}) in_flight={:?} mode={}",
             self.name,
             self.upstream,
             methods.join(","),
             self.path_text,
             self.entity.as_ref().map(|t| t.text()).unwrap_or("-"),
-            self.in_flight
+            self.in_flight,
+            self.mode.as_str()
         )
     }
 }

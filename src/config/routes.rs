@@ -132,6 +132,18 @@ pub(super) fn route(
             InFlight::Wait
         }
     };
+    // The route's mode wins over its upstream's.
+    let mode = [
+        r.mode.as_ref(),
+        upstreams
+            .get(&upstream)
+            .and_then(|u| u.get_ref().mode.as_ref()),
+    ]
+    .into_iter()
+    .flatten()
+    .next()
+    .and_then(|v| cx.mode(v))
+    .unwrap_or_default();
     let mut fingerprint = FingerprintRule::default();
     if let Some(fp) = &r.fingerprint {
         for ig in &fp.ignore {
@@ -221,6 +233,7 @@ pub(super) fn route(
             required,
         },
         in_flight,
+        mode,
         lock_timeout: cx.dur(&r.lock_timeout, Duration::from_secs(30)),
         fingerprint,
         version,

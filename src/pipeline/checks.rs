@@ -55,7 +55,7 @@ pub async fn run(
 }
 
 /// Claim-first: an entity claimed by another key (until its claim lapses) refuses the write.
-fn check_claims(states: &[EntityState], p: &Prepared) -> ProxyResult<()> {
+pub(super) fn check_claims(states: &[EntityState], p: &Prepared) -> ProxyResult<()> {
     let now = now_ms();
     for s in states {
         if let Some(c) = &s.claim {
@@ -74,7 +74,7 @@ fn check_claims(states: &[EntityState], p: &Prepared) -> ProxyResult<()> {
 
 /// Version fencing: the write's version must be greater than every entity's last accepted
 /// version; the error carries the current version so the client can rehydrate.
-fn check_versions(states: &[EntityState], version: i64) -> ProxyResult<()> {
+pub(super) fn check_versions(states: &[EntityState], version: i64) -> ProxyResult<()> {
     for s in states {
         if let Some(current) = s.version.filter(|c| *c >= version) {
             let entity = crate::key::unqualified(&s.entity);

@@ -29,8 +29,9 @@ impl Outgoing {
         body: Bytes,
     ) -> ProxyResult<Outgoing> {
         let mut headers = request_headers(parts.headers);
-        if let Some(native) = &target.upstream.native_idempotency_header {
-            if let Ok(v) = HeaderValue::from_str(key) {
+        if let Some(native) = target.upstream.native_idempotency_header.as_ref() {
+            // No key (observe mode forwarding a request enforce mode would refuse): none sent.
+            if let Some(v) = HeaderValue::from_str(key).ok().filter(|_| !key.is_empty()) {
                 headers.insert(native.clone(), v);
             }
         }
@@ -48,6 +49,11 @@ impl Outgoing {
         })
     }
 
+    /// Whether step 1 got as far as building the request (an absolute URI has a host).
+    pub(super) fn built(&self) -> bool {
+        self.uri.host().is_some()
+    }
+
     fn request(&self) -> Request<ProxyBody> {
         let mut out = Request::new(full(self.body.clone()));
         *out.method_mut() = self.method.clone();
@@ -63,6 +69,17 @@ pub(super) async fn step(ctx: &mut Ctx) -> Outcome {
     let outcome = {
         let _in_flight = ctx.state.stats.on_forward();
         call_renewing(ctx).await
+    };
+    ctx.upstream_time = Some(started.elapsed());
+    outcome
+}
+
+/// Step 6 without a reservation to renew (observe mode, when the key was not ours).
+pub(super) async fn plain(ctx: &mut Ctx) -> Outcome {
+    let started = Instant::now();
+    let outcome = {
+        let _in_flight = ctx.state.stats.on_forward();
+        call::call(&ctx.client, ctx.outgoing.request(), ctx.upstream.timeout).await
     };
     ctx.upstream_time = Some(started.elapsed());
     outcome

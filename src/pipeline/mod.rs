@@ -17,6 +17,7 @@ pub mod checks;
 mod forward;
 mod lock;
 mod lookup;
+pub mod observe;
 mod outcome;
 pub mod prepare;
 mod reserve;
@@ -24,7 +25,7 @@ mod store;
 
 pub use outcome::Outcome;
 
-use crate::config::{Route, Upstream};
+use crate::config::{Mode, Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::locks::LockGuard;
 use crate::state::AppState;
@@ -54,10 +55,15 @@ pub async fn run(
     };
     state.stats.on_protected();
     let mut ctx = Ctx::new(state, route, target.upstream)?;
+    let observe = route.mode == Mode::Observe;
     let prepared = match plan {
         Ok(plan) => prepare::step(&mut ctx, plan, (params, canonical), target, req).await,
+        Err(e) if observe => return observe::passthrough(ctx, &e, target, req).await,
         Err(e) => Err(e),
     };
+    if observe {
+        return observe::run(ctx, prepared.err()).await;
+    }
     if let Err(e) = prepared {
         return ctx.finish(Outcome::Refused(e));
     }
@@ -151,6 +157,8 @@ pub struct Ctx {
     lock_wait: Duration,
     upstream_time: Option<Duration>,
     upstream_status: Option<u16>,
+    /// Observe mode: what enforce mode would have done (`None`: forwarded it too).
+    observed: Option<&'static str>,
     finished: bool,
 }
 
@@ -181,6 +189,7 @@ impl Ctx {
             lock_wait: Duration::ZERO,
             upstream_time: None,
             upstream_status: None,
+            observed: None,
             finished: false,
         })
     }

@@ -72,14 +72,26 @@ impl Ctx {
         if matches!(outcome, Outcome::Replayed(_)) {
             self.state.stats.on_replay();
         }
-        let decision = outcome.decision();
+        let decision: std::borrow::Cow<'static, str> = match self.observed {
+            Some(would) => {
+                self.state.stats.on_observed(&self.route.name, would);
+                format!("observed:{would}").into()
+            }
+            None => outcome.decision().into(),
+        };
+        // Observe mode hands the upstream's answer back unchanged (but for what it observed).
+        let observe = self.route.mode == crate::config::Mode::Observe;
         let key = &self.p.key;
         let answer = match outcome {
             Outcome::Replayed(stored) => Ok(respond(&stored, key, true)),
             Outcome::Answered { answer, .. } => Ok(match answer {
+                Answer::Full(resp) if observe => unchanged(&resp),
                 Answer::Full(resp) => respond(&resp, key, false),
                 Answer::Streamed(head, body) => {
-                    let mut resp = respond(&head, key, false);
+                    let mut resp = match observe {
+                        true => unchanged(&head),
+                        false => respond(&head, key, false),
+                    };
                     *resp.body_mut() = body.map_err(Into::into).boxed();
                     resp
                 }
@@ -92,8 +104,17 @@ impl Ctx {
                 })
             }
         };
+        let answer = answer.map(|mut resp| {
+            if let Some(would) = self.observed {
+                resp.headers_mut().insert(
+                    super::observe::OBSERVED_HEADER,
+                    HeaderValue::from_static(would),
+                );
+            }
+            resp
+        });
         // Last: the audit row takes the request's key, fingerprint and entities (no copies).
-        self.record(decision);
+        self.record(&decision);
         answer
     }
 
@@ -133,8 +154,8 @@ impl Ctx {
     }
 }
 
-/// A stored (or just received) answer, with the idempotency headers.
-pub(super) fn respond(stored: &StoredResponse, key: &str, replayed: bool) -> Response<ProxyBody> {
+/// The upstream's answer as it came (observe mode).
+fn unchanged(stored: &StoredResponse) -> Response<ProxyBody> {
     let mut resp = Response::new(full(stored.body.clone()));
     *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
     let h: &mut HeaderMap = resp.headers_mut();
@@ -146,6 +167,13 @@ pub(super) fn respond(stored: &StoredResponse, key: &str, replayed: bool) -> Res
             h.append(n, v);
         }
     }
+    resp
+}
+
+/// A stored (or just received) answer, with the idempotency headers.
+pub(super) fn respond(stored: &StoredResponse, key: &str, replayed: bool) -> Response<ProxyBody> {
+    let mut resp = unchanged(stored);
+    let h: &mut HeaderMap = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(key) {
         h.insert("idempotency-key", v);
     }

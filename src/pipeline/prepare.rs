@@ -85,7 +85,13 @@ pub(super) async fn step(
         body: &body,
         path_params: &params,
     };
-    ctx.p = prepare(&ctx.upstream, &ctx.route, plan, &input, &ctx.state.scoper)?;
+    let prepared = prepare(&ctx.upstream, &ctx.route, plan, &input, &ctx.state.scoper);
+    if let Err(e) = prepared {
+        // Observe mode forwards what enforce mode would refuse: keep the request to send.
+        ctx.outgoing = Outgoing::new(&ctx.client, target, "", parts, body)?;
+        return Err(e);
+    }
+    ctx.p = prepared?;
     ctx.prepared = true;
     // The first release scoped keys by `Authorization` and `scope_headers` only: a request that
     // also carries another credential header (a cookie, an API key) shares that old scope with

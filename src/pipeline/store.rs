@@ -10,8 +10,27 @@ use std::sync::Arc;
 
 /// Step 7.
 pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
+    let (finish, outcome) = settle(ctx, called);
+    let (state, id) = (&ctx.state, &ctx.p.id);
+    match state.store.finish(id, ctx.epoch, finish).await {
+        Ok(true) => {}
+        Ok(false) => {
+            tracing::warn!(key = %id.key, "our reservation was taken over; the answer was not stored")
+        }
+        Err(e) => {
+            state.stats.on_store_error();
+            tracing::error!(key = %id.key, error = %e, "could not store the upstream's answer; the key will read as unknown");
+        }
+    }
+    ctx.release_entities().await;
+    ctx.slot = None;
+    outcome
+}
+
+/// What the forward's ending means: what to store, and the request's outcome.
+pub(super) fn settle(ctx: &mut Ctx, called: Called) -> (Finish, Outcome) {
     let up = ctx.upstream.clone();
-    let (finish, outcome) = match called {
+    match called {
         Called::Answer(resp) if up.release_statuses.contains(&resp.status) => {
             ctx.upstream_status = Some(resp.status);
             let answer = Answer::Full(Arc::new(resp));
@@ -86,21 +105,7 @@ pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
             );
             (Finish::Unknown, Outcome::Unknown(e))
         }
-    };
-    let (state, id) = (&ctx.state, &ctx.p.id);
-    match state.store.finish(id, ctx.epoch, finish).await {
-        Ok(true) => {}
-        Ok(false) => {
-            tracing::warn!(key = %id.key, "our reservation was taken over; the answer was not stored")
-        }
-        Err(e) => {
-            state.stats.on_store_error();
-            tracing::error!(key = %id.key, error = %e, "could not store the upstream's answer; the key will read as unknown");
-        }
     }
-    ctx.release_entities().await;
-    ctx.slot = None;
-    outcome
 }
 
 /// What a successful answer does to the entities: record the version, take or release the

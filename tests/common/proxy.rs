@@ -131,6 +131,31 @@ impl TestProxy {
         }
     }
 
+    /// Starts the proxy from `toml` written to `<dir>/proxy.toml` and loaded from there, so
+    /// [`reload`](Self::reload) can change the file and have the proxy read it again.
+    pub async fn start_file(toml: &str) -> TestProxy {
+        let dir = TestDir::new();
+        let path = dir.write_config(toml);
+        let config = Config::load(&path).unwrap_or_else(|e| panic!("config error:\n{e}"));
+        let server = Server::start(config)
+            .await
+            .unwrap_or_else(|e| panic!("proxy failed to start: {e:#}"));
+        TestProxy {
+            main_addr: server.main_addr,
+            admin_addr: server.admin_addr,
+            server: Some(server),
+            config_text: dir.config_text(toml),
+            dir,
+        }
+    }
+
+    /// Writes `toml` (same store) over the config file and asks for a reload
+    /// (`POST /admin/reload`).
+    pub async fn reload(&self, toml: &str) -> super::Resp {
+        self.dir.write_config(toml);
+        super::request("POST", &self.admin_url("/admin/reload"), &[], "").await
+    }
+
     /// Like `start`, returning the error instead of panicking (for start-up failure tests).
     pub async fn try_start(toml: &str) -> anyhow::Result<TestProxy> {
         let dir = TestDir::new();

@@ -1,0 +1,180 @@
+//! Observe mode (SPEC "Observe mode"): every protected request is forwarded as it would be
+//! without the proxy — no waiting, no refusal, no replay, no fencing, no precheck — and what
+//! enforce mode *would* have done is recorded instead: `idemproxy_observed_total{route,
+//! would}`, the audit decision `observed:<would>`, and `Idemproxy-Observed: <would>` on the
+//! answer.
+//!
+//! Records are kept as enforce mode would keep them, so switching the route to enforce
+//! starts from true history: a request enforce mode would have forwarded reserves its key and
+//! stores its answer and entity effects; a request enforce mode would have replayed or refused
+//! leaves the records alone. A store that fails does not stop the request (observe mode fails
+//! open): it is forwarded, and the failure counted in `idemproxy_store_errors_total`.
+
+use super::{checks, forward, lock, store, Ctx, Outcome};
+use crate::config::Upstream;
+use crate::error::ProxyError;
+use crate::store::{now_ms, KeyRecord, KeyState, Reservation, Reserved};
+use crate::upstream::ProxyBody;
+use http::Response;
+
+/// The answer header that says what enforce mode would have done.
+pub const OBSERVED_HEADER: &str = "idemproxy-observed";
+
+/// A request enforce mode would refuse before reading its body (a malformed key header):
+/// streamed through as is, the refusal recorded as what enforce mode would have done.
+pub(super) async fn passthrough(
+    mut ctx: Ctx,
+    refused: &ProxyError,
+    target: &crate::upstream::Target<'_>,
+    req: http::Request<hyper::body::Incoming>,
+) -> crate::error::ProxyResult<Response<ProxyBody>> {
+    let would = refused.kind.as_str();
+    let mut resp = crate::upstream::passthrough(&ctx.state, target, req).await?;
+    ctx.observed = Some(would);
+    ctx.upstream_status = Some(resp.status().as_u16());
+    resp.headers_mut()
+        .insert(OBSERVED_HEADER, http::HeaderValue::from_static(would));
+    ctx.finished = true;
+    ctx.record(&format!("observed:{would}"));
+    ctx.state.stats.on_observed(&ctx.route.name, would);
+    Ok(resp)
+}
+
+/// What enforce mode would have done with a stored record of this key.
+fn would_for_record(rec: &KeyRecord, fingerprint: &str, up: &Upstream) -> Option<&'static str> {
+    let state = rec.effective_state(now_ms());
+    if state == KeyState::Released {
+        return None;
+    }
+    if rec.fingerprint != fingerprint {
+        return Some("key_reused");
+    }
+    match state {
+        KeyState::Completed if rec.response.is_some() => Some("replay"),
+        KeyState::Completed | KeyState::Released => None,
+        KeyState::InFlight => Some("in_flight"),
+        KeyState::Unknown if up.native_idempotency_header.is_some() => None,
+        KeyState::Unknown => Some("outcome_unknown"),
+    }
+}
+
+/// The request, observed. `refused` is what step 1 refused (then nothing was evaluated and
+/// nothing is recorded but the observation).
+pub(super) async fn run(
+    mut ctx: Ctx,
+    refused: Option<ProxyError>,
+) -> crate::error::ProxyResult<Response<ProxyBody>> {
+    if let Some(e) = refused {
+        // Transport limits hold in both modes: a body that never arrived cannot be sent.
+        if !ctx.outgoing.built() {
+            return ctx.finish(Outcome::Refused(e));
+        }
+        ctx.observed = Some(e.kind.as_str());
+        let called = forward::plain(&mut ctx).await;
+        let (_, outcome) = store::settle(&mut ctx, called);
+        return ctx.finish(outcome);
+    }
+    let (would, reserve) = look(&mut ctx).await;
+    // The entity locks, taken only if free this instant: a write enforce mode would have
+    // queued is an overlap, forwarded at once. Held, they fence the entity effects stored
+    // below as in enforce mode (and detect overlaps across replicas on PostgreSQL).
+    let mut overlap = false;
+    if reserve && !ctx.p.entities.is_empty() {
+        ctx.deadline = Some(tokio::time::Instant::now());
+        if let Err(e) = lock::step(&mut ctx).await {
+            match e.kind.origin() {
+                crate::error::Origin::Store => {
+                    ctx.state.stats.on_store_error();
+                }
+                _ => overlap = true,
+            }
+        }
+    }
+    ctx.observed = would.or(overlap.then_some("entity_overlap"));
+    let owned = reserve && reserve_key(&mut ctx).await;
+    if !owned {
+        ctx.release_entities().await;
+    }
+    let called = match owned {
+        true => forward::step(&mut ctx).await,
+        false => forward::plain(&mut ctx).await,
+    };
+    let outcome = match owned {
+        true => store::step(&mut ctx, called).await,
+        false => store::settle(&mut ctx, called).1,
+    };
+    ctx.finish(outcome)
+}
+
+/// The key and the entities as enforce mode would have judged them: what it would have done,
+/// and whether it would have reserved the key (then so does observe mode).
+async fn look(ctx: &mut Ctx) -> (Option<&'static str>, bool) {
+    let store = ctx.state.store.clone();
+    let record = match store.cached(&ctx.p.id) {
+        Some(hit) if hit.fingerprint == ctx.p.fingerprint => return (Some("replay"), false),
+        Some(_) => return (Some("key_reused"), false),
+        None => store.get(&ctx.p.id).await,
+    };
+    let record = match record {
+        Ok(r) => r,
+        Err(e) => return store_failed(ctx, e),
+    };
+    if let Some(w) = record
+        .as_ref()
+        .and_then(|r| would_for_record(r, &ctx.p.fingerprint, &ctx.upstream))
+    {
+        return (Some(w), false);
+    }
+    if ctx.route.claim.is_some() || ctx.p.version.is_some() {
+        let states = match store.entity_states(&ctx.p.entities).await {
+            Ok(s) => s,
+            Err(e) => return store_failed(ctx, e),
+        };
+        // Enforce mode refuses these before reserving: no record, no effects.
+        if ctx.route.claim.is_some() && checks::check_claims(&states, &ctx.p).is_err() {
+            return (Some("entity_claimed"), false);
+        }
+        if let Some(v) = ctx.p.version {
+            if checks::check_versions(&states, v).is_err() {
+                return (Some("stale_version"), false);
+            }
+        }
+    }
+    (None, true)
+}
+
+fn store_failed(ctx: &Ctx, e: crate::store::StoreError) -> (Option<&'static str>, bool) {
+    ctx.state.stats.on_store_error();
+    tracing::warn!(key = %ctx.p.id.key, error = %e, "observe mode: the store failed; forwarding anyway (observe mode fails open)");
+    (None, false)
+}
+
+/// Reserves the key as enforce mode would; `false` when it was not ours (a concurrent
+/// duplicate got there first: then that is what enforce mode would have seen) or the store
+/// failed.
+async fn reserve_key(ctx: &mut Ctx) -> bool {
+    let reservation = Reservation {
+        id: ctx.p.id.clone(),
+        fingerprint: ctx.p.fingerprint.clone(),
+        route: ctx.route.name.clone(),
+        entities: ctx.p.entities.clone(),
+        owner: ctx.state.owner.clone(),
+        lease: ctx.state.config.store.lease,
+        take_unknown: ctx.upstream.native_idempotency_header.is_some(),
+    };
+    match ctx.state.store.reserve(reservation).await {
+        Ok(Reserved::Owned { epoch }) => {
+            ctx.epoch = epoch;
+            true
+        }
+        Ok(Reserved::Existing(rec)) => {
+            let w = would_for_record(&rec, &ctx.p.fingerprint, &ctx.upstream);
+            ctx.observed = ctx.observed.or(w).or(Some("in_flight"));
+            false
+        }
+        Err(e) => {
+            store_failed(ctx, e);
+            false
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! Reload without a restart (SPEC "Reload without a restart"): `SIGHUP` or
+//! `POST /admin/reload` reads the configuration file again.
+//!
+//! A valid file becomes the state in force ([`Live`]) for requests that start afterwards;
+//! requests already running keep the state they started with (their `Arc<AppState>`), and no
+//! listener or connection is touched. An invalid file changes nothing and every error comes
+//! back as `file:line:col: message`. Settings bound at start (listener addresses, inbound TLS,
+//! connection limits, the store) are reported and kept.
+
+use crate::config::Config;
+use crate::state::Live;
+use std::sync::Arc;
+
+/// What a reload did: applied (with the settings it kept), or refused (with every error).
+pub type Reloaded = Result<Vec<String>, Vec<String>>;
+
+/// Reads the file again and, when it is valid, puts it in force.
+pub fn reload(live: &Live) -> Reloaded {
+    let old = live.load_full();
+    let result = apply(live, &old);
+    old.stats.on_reload(result.is_ok());
+    match &result {
+        Ok(kept) => {
+            for k in kept {
+                tracing::warn!("reload: {k}");
+            }
+            tracing::info!(
+                upstreams = old.config.upstreams.len(),
+                "configuration reloaded; requests that start now use it"
+            );
+        }
+        Err(errors) => {
+            for e in errors {
+                tracing::error!("reload refused: {e}");
+            }
+        }
+    }
+    result
+}
+
+fn apply(live: &Live, old: &crate::state::AppState) -> Reloaded {
+    let Some(path) = old.config.source.clone() else {
+        return Err(vec![format!(
+            "{}: the configuration was not loaded from a file; there is nothing to read again",
+            old.config.origin
+        )]);
+    };
+    let mut new = Config::load(&path).map_err(|e| e.errors)?;
+    let kept = keep_fixed(&old.config, &mut new);
+    let state = old
+        .reconfigured(Arc::new(new))
+        .map_err(|e| vec![format!("{}: {e:#}", path.display())])?;
+    live.store(Arc::new(state));
+    Ok(kept)
+}
+
+/// Puts back the settings that cannot change while running, saying which ones the file
+/// changed.
+fn keep_fixed(old: &Config, new: &mut Config) -> Vec<String> {
+    let mut kept = Vec::new();
+    let mut note = |name: &str, was: String, wants: String| {
+        if was != wants {
+            kept.push(format!(
+                "{name} cannot change while running (restart to apply): kept {was}, the file says {wants}"
+            ));
+        }
+    };
+    let (o, n) = (&old.server, &mut new.server);
+    note("server.listen", o.listen.to_string(), n.listen.to_string());
+    n.listen = o.listen;
+    note(
+        "server.admin_listen",
+        format!("{:?}", o.admin_listen),
+        format!("{:?}", n.admin_listen),
+    );
+    n.admin_listen = o.admin_listen;
+    note("server.tls", format!("{:?}", o.tls), format!("{:?}", n.tls));
+    n.tls = o.tls.clone();
+    note(
+        "server.max_connections",
+        o.max_connections.to_string(),
+        n.max_connections.to_string(),
+    );
+    n.max_connections = o.max_connections;
+    note(
+        "server.max_connections_per_ip",
+        o.max_connections_per_ip.to_string(),
+        n.max_connections_per_ip.to_string(),
+    );
+    n.max_connections_per_ip = o.max_connections_per_ip;
+    let (o, n) = (&old.store, &mut new.store);
+    note("store.url", o.display_url(), n.display_url());
+    n.url = o.url.clone();
+    let secret = |s: &Option<String>| if s.is_some() { "set" } else { "unset" }.to_owned();
+    if o.scope_secret != n.scope_secret {
+        note(
+            "store.scope_secret",
+            secret(&o.scope_secret),
+            format!("{} (changed)", secret(&n.scope_secret)),
+        );
+    }
+    n.scope_secret = o.scope_secret.clone();
+    note(
+        "store.lease",
+        format!("{:?}", o.lease),
+        format!("{:?}", n.lease),
+    );
+    n.lease = o.lease;
+    note(
+        "store.retention (the purge schedule)",
+        format!("{:?}", o.retention),
+        format!("{:?}", n.retention),
+    );
+    for u in &new.upstreams {
+        let was = old.upstream(&u.name).and_then(|o| o.listen);
+        if u.listen != was {
+            note(
+                &format!("upstreams.{}.listen", u.name),
+                format!("{was:?}"),
+                format!("{:?}", u.listen),
+            );
+        }
+    }
+    for u in old.upstreams.iter().filter(|u| u.listen.is_some()) {
+        if new.upstream(&u.name).is_none() {
+            kept.push(format!(
+                "upstreams.{}: removed, but its dedicated listener stays open (restart to close it) and keeps its old rules",
+                u.name
+            ));
+        }
+    }
+    kept
+}

@@ -1,0 +1,384 @@
+//! Observe mode and reload without a restart (SPEC "Adoption and operations"): observed
+//! requests are all forwarded — concurrent duplicates, retries of completed keys, concurrent
+//! writes to one entity, stale versions — and counted by what enforce mode would have done;
+//! the records they keep let a route switched to enforce (by a reload) replay from true
+//! history. Reloads take effect for requests that start afterwards, drop nothing, and an
+//! invalid file changes nothing.
+
+mod common;
+use common::pg::PgServer;
+use common::*;
+
+use serde_json::json;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+const OBSERVED_CHARGES: &str = r#"
+[[routes]]
+name = "charges"
+upstream = "api"
+methods = ["POST"]
+path = "/v1/charges"
+mode = "observe"
+"#;
+
+const OBSERVED_CONTACTS: &str = r#"
+[[routes]]
+name = "contact-update"
+upstream = "api"
+methods = ["PATCH"]
+path = "/contacts/{id}"
+entity = "contact:{path.id}"
+key = { header = "", derive = "{header.x-request-id}" }
+version = "{header.x-entity-version}"
+mode = "observe"
+"#;
+
+fn config(upstream: &RecordingUpstream, store: &str, routes: &str) -> String {
+    format!("{}\n{store}", api_config(upstream, "", "", routes))
+}
+
+/// `idemproxy_observed_total{route, would}` as scraped.
+async fn observed(proxy_admin: &str, route: &str, would: &str) -> u64 {
+    let text = get(&format!("{proxy_admin}/metrics")).await.text();
+    let line = format!("idemproxy_observed_total{{route=\"{route}\",would=\"{would}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&line))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+async fn metric(proxy_admin: &str, name: &str) -> u64 {
+    let text = get(&format!("{proxy_admin}/metrics")).await.text();
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn spawn_post(url: &str, key: &str, body: serde_json::Value) -> tokio::task::JoinHandle<Resp> {
+    let (url, key) = (url.to_owned(), key.to_owned());
+    tokio::spawn(async move { post_json(&url, Some(&key), &body, &[]).await })
+}
+
+fn charge() -> serde_json::Value {
+    json!({"amount": 100, "currency": "usd", "customer": "cus_1"})
+}
+
+async fn patch(url: &str, request_id: &str, version: &str) -> Resp {
+    request(
+        "PATCH",
+        url,
+        &[
+            ("content-type", "application/json"),
+            ("x-request-id", request_id),
+            ("x-entity-version", version),
+        ],
+        r#"{"email":"a@example.com"}"#,
+    )
+    .await
+}
+
+/// The scenario on any store: concurrent duplicates all reach the upstream at once, a retry
+/// of the completed key is forwarded again, concurrent writes to one entity overlap at the
+/// upstream and a stale version is forwarded — each counted by what enforce mode would have
+/// done. Then a reload switches the routes to enforce, and a retry replays the answer observe
+/// mode stored.
+async fn observe_scenario(store: &str) {
+    let upstream = RecordingUpstream::holding().await;
+    let routes = format!("{OBSERVED_CHARGES}\n{OBSERVED_CONTACTS}");
+    let proxy = TestProxy::start_file(&config(&upstream, store, &routes)).await;
+    let admin = format!("http://{}", proxy.admin_addr.unwrap());
+    let url = proxy.url("/api/v1/charges");
+
+    // Three concurrent duplicates: enforce mode would hold two behind the first.
+    let dups: Vec<_> = (0..3)
+        .map(|_| {
+            let url = url.clone();
+            tokio::spawn(async move { post_json(&url, Some("k-dup"), &charge(), &[]).await })
+        })
+        .collect();
+    upstream.wait_for_held(3).await;
+    assert_eq!(upstream.count(), 3, "every duplicate reaches the upstream");
+    upstream.release(3);
+    let mut flagged = 0;
+    for d in dups {
+        let r = d.await.unwrap();
+        r.assert_status(200);
+        assert_eq!(r.replayed(), None, "the answer goes back unchanged");
+        if r.header("idemproxy-observed") == Some("in_flight") {
+            flagged += 1;
+        }
+    }
+    assert_eq!(
+        flagged, 2,
+        "the two duplicates sent while the first was in flight"
+    );
+    assert_eq!(observed(&admin, "charges", "in_flight").await, 2);
+
+    // A retry of the completed key: forwarded again, flagged as a replay enforce mode would make.
+    let retry = spawn_post(&url, "k-dup", charge());
+    upstream.wait_for_held(1).await;
+    upstream.release(1);
+    let retry = retry.await.unwrap();
+    retry.assert_status(200);
+    assert_eq!(retry.header("idemproxy-observed"), Some("replay"));
+    assert_eq!(upstream.count(), 4);
+    assert_eq!(observed(&admin, "charges", "replay").await, 1);
+    // The same key with another body: key reuse.
+    let other = spawn_post(&url, "k-dup", json!({"amount": 999}));
+    upstream.wait_for_held(1).await;
+    upstream.release(1);
+    let other = other.await.unwrap();
+    assert_eq!(other.header("idemproxy-observed"), Some("key_reused"));
+    assert_eq!(upstream.count(), 5);
+
+    // Two writes to one contact at once: enforce mode's entity lock would have queued one.
+    let c1 = proxy.url("/api/contacts/c1");
+    let writes: Vec<_> = ["r-1", "r-2"]
+        .into_iter()
+        .zip(["1", "2"])
+        .map(|(id, v)| {
+            let c1 = c1.clone();
+            tokio::spawn(async move { patch(&c1, id, v).await })
+        })
+        .collect();
+    upstream.wait_for_held(2).await;
+    assert_eq!(upstream.max_concurrent("/contacts/c1"), 2);
+    upstream.release(2);
+    let flags: Vec<Option<String>> = {
+        let mut v = Vec::new();
+        for w in writes {
+            let r = w.await.unwrap();
+            r.assert_status(200);
+            v.push(r.header("idemproxy-observed").map(str::to_owned));
+        }
+        v
+    };
+    assert_eq!(
+        flags
+            .iter()
+            .flatten()
+            .filter(|f| *f == "entity_overlap")
+            .count(),
+        1,
+        "{flags:?}"
+    );
+    assert_eq!(
+        observed(&admin, "contact-update", "entity_overlap").await,
+        1
+    );
+    // Version 2 is stored (it completed); version 1 now is stale, and still forwarded.
+    let stale = tokio::spawn({
+        let c1 = c1.clone();
+        async move { patch(&c1, "r-3", "1").await }
+    });
+    upstream.wait_for_held(1).await;
+    upstream.release(1);
+    let stale = stale.await.unwrap();
+    stale.assert_status(200);
+    assert_eq!(stale.header("idemproxy-observed"), Some("stale_version"));
+    assert_eq!(upstream.count(), 8);
+
+    // Enforce from the history observe mode kept: the retry replays, nothing is forwarded.
+    let enforce = config(&upstream, store, &routes.replace("mode = \"observe\"", ""));
+    proxy.reload(&enforce).await.assert_status(200);
+    let replay = post_json(&url, Some("k-dup"), &charge(), &[]).await;
+    replay.assert_status(200);
+    assert_eq!(replay.replayed(), Some(true));
+    assert_eq!(
+        patch(&c1, "r-4", "1").await.error_type(),
+        Some("stale_version")
+    );
+    assert_eq!(upstream.count(), 8, "enforce mode forwards neither");
+}
+
+#[tokio::test]
+async fn observe_mode_forwards_everything_and_counts_what_enforce_would_do_on_sqlite() {
+    observe_scenario("").await;
+}
+
+#[tokio::test]
+async fn observe_mode_forwards_everything_and_counts_what_enforce_would_do_on_postgres() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let store = format!(
+        "[store]\nurl = \"{}\"\nscope_secret = \"observe-test-secret-0123456789\"\n",
+        pg.url
+    );
+    observe_scenario(&store).await;
+}
+
+/// A store that is down does not stop observed traffic: forwarded, and the failure counted.
+#[tokio::test]
+async fn observe_mode_fails_open_when_the_store_is_down() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let upstream = RecordingUpstream::start().await;
+    let store = format!(
+        "[store]\nurl = \"{}\"\nscope_secret = \"observe-test-secret-0123456789\"\n",
+        pg.url
+    );
+    let proxy = TestProxy::start(&config(&upstream, &store, OBSERVED_CHARGES)).await;
+    let admin = format!("http://{}", proxy.admin_addr.unwrap());
+    pg.stop();
+    let r = post_json(
+        &proxy.url("/api/v1/charges"),
+        Some("k-down"),
+        &charge(),
+        &[],
+    )
+    .await;
+    r.assert_status(200);
+    assert_eq!(upstream.count(), 1, "forwarded although the store is down");
+    assert!(metric(&admin, "idemproxy_store_errors_total").await >= 1);
+    pg.restart();
+}
+
+/// A client sending continuously through a reload: every request is answered, requests that
+/// started before the reload was asked for ran under the old rules, and requests that started
+/// after it returned run under the new ones.
+#[tokio::test]
+async fn a_reload_under_load_loses_nothing_and_applies_to_new_requests_only() {
+    let upstream = RecordingUpstream::start().await;
+    let enforce = config(&upstream, "", CHARGES_ROUTE);
+    let proxy = TestProxy::start_file(&enforce).await;
+    let url = proxy.url("/api/v1/charges");
+    // 0: before the reload is asked for; 1: while it runs; 2: after it returned.
+    let phase = Arc::new(AtomicU8::new(0));
+    let client = {
+        let (url, phase) = (url.clone(), phase.clone());
+        tokio::spawn(async move {
+            let mut seen = Vec::new();
+            let mut after = 0;
+            for i in 0.. {
+                let started = phase.load(Ordering::SeqCst);
+                let r = post_json(&url, Some(&format!("k-{i}")), &charge(), &[]).await;
+                // Enforce mode marks its answers with the key; observe mode hands them back as is.
+                seen.push((started, r.status, r.idempotency_key().is_some()));
+                if started == 2 {
+                    after += 1;
+                    if after == 50 {
+                        break;
+                    }
+                }
+            }
+            seen
+        })
+    };
+    wait_until(
+        || upstream.count() >= 50,
+        WAIT,
+        "50 requests before the reload",
+    )
+    .await;
+    phase.store(1, Ordering::SeqCst);
+    let observe = enforce.replace(
+        "path = \"/v1/charges\"",
+        "path = \"/v1/charges\"\nmode = \"observe\"",
+    );
+    let r = proxy.reload(&observe).await;
+    r.assert_status(200);
+    phase.store(2, Ordering::SeqCst);
+    let seen = client.await.unwrap();
+    assert!(
+        seen.iter().all(|(_, status, _)| *status == 200),
+        "no request lost"
+    );
+    assert_eq!(upstream.count(), seen.len(), "each forwarded once");
+    assert!(
+        seen.iter().filter(|s| s.0 == 0).all(|s| s.2),
+        "old rules before the reload"
+    );
+    assert!(
+        seen.iter().filter(|s| s.0 == 2).all(|s| !s.2),
+        "new rules after it"
+    );
+    let admin = format!("http://{}", proxy.admin_addr.unwrap());
+    let text = get(&format!("{admin}/metrics")).await.text();
+    assert!(
+        text.contains("idemproxy_config_reloads_total{result=\"ok\"} 1"),
+        "{text}"
+    );
+}
+
+/// An invalid file changes nothing and says exactly what is wrong; settings that cannot
+/// change while running are reported and kept.
+#[tokio::test]
+async fn an_invalid_reload_changes_nothing_and_names_the_line() {
+    let upstream = RecordingUpstream::start().await;
+    let good = config(&upstream, "", CHARGES_ROUTE);
+    let proxy = TestProxy::start_file(&good).await;
+    let url = proxy.url("/api/v1/charges");
+    let bad = good.replace(
+        "path = \"/v1/charges\"",
+        "path = \"/v1/charges\"\nmode = \"sometimes\"",
+    );
+    let r = proxy.reload(&bad).await;
+    r.assert_status(400);
+    let errors = r.json()["error"]["errors"].clone();
+    let line = bad
+        .lines()
+        .position(|l| l.contains("sometimes"))
+        .map(|i| i + 1)
+        .unwrap();
+    let first = errors[0].as_str().unwrap_or_default().to_owned();
+    assert!(
+        first.contains(&format!("proxy.toml:{line}:")) && first.contains("use enforce or observe"),
+        "{errors}"
+    );
+    // Still the old rules: enforce mode replays.
+    post_json(&url, Some("k-1"), &charge(), &[])
+        .await
+        .assert_status(200);
+    let again = post_json(&url, Some("k-1"), &charge(), &[]).await;
+    assert_eq!(again.replayed(), Some(true));
+    assert_eq!(upstream.count(), 1);
+    let admin = format!("http://{}", proxy.admin_addr.unwrap());
+    let text = get(&format!("{admin}/metrics")).await.text();
+    assert!(
+        text.contains("idemproxy_config_reloads_total{result=\"error\"} 1"),
+        "{text}"
+    );
+
+    // A listener address cannot move while running: reported, kept, the rest applied.
+    let moved = good.replacen(
+        "listen = \"127.0.0.1:0\"",
+        &format!("listen = \"{}\"", unused_addr()),
+        1,
+    );
+    let r = proxy.reload(&moved).await;
+    r.assert_status(200);
+    let kept = r.json()["kept"].to_string();
+    assert!(kept.contains("server.listen"), "{kept}");
+    post_json(&url, Some("k-2"), &charge(), &[])
+        .await
+        .assert_status(200);
+}
+
+/// A slow write in flight across a reload finishes under the rules it started with, and its
+/// stored answer replays afterwards.
+#[tokio::test]
+async fn a_write_in_flight_across_a_reload_is_stored_and_replayed() {
+    let upstream = RecordingUpstream::holding().await;
+    let good = config(&upstream, "", CHARGES_ROUTE);
+    let proxy = TestProxy::start_file(&good).await;
+    let url = proxy.url("/api/v1/charges");
+    let slow = spawn_post(&url, "k-slow", charge());
+    upstream.wait_for_held(1).await;
+    let retention = good.replace(
+        "path = \"/v1/charges\"",
+        "path = \"/v1/charges\"\nretention = \"1h\"",
+    );
+    proxy.reload(&retention).await.assert_status(200);
+    upstream.release_all();
+    let first = slow.await.unwrap();
+    first.assert_status(200);
+    assert_eq!(first.replayed(), Some(false));
+    let retry = post_json(&url, Some("k-slow"), &charge(), &[]).await;
+    assert_eq!(retry.replayed(), Some(true));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(upstream.count(), 1);
+}
