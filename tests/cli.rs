@@ -587,3 +587,43 @@ async fn log_format_json_writes_json_lines() {
     }
     assert!(log.contains("/nowhere"), "the refusal was logged: {log}");
 }
+
+#[test]
+fn check_and_explain_show_each_routes_mode() {
+    let dir = TestDir::new();
+    let observed = charges_config("http://127.0.0.1:9")
+        .replace("[upstreams.api]\n", "[upstreams.api]\nmode = \"observe\"\n");
+    let cfg = path_str(&dir.write_config(&observed));
+    let out = idemproxy(&["check", "--config", &cfg]);
+    assert_exit(&out, 0);
+    let printed = stdout(&out);
+    assert!(
+        printed.contains("route charges: ") && printed.contains("mode=observe"),
+        "{printed}"
+    );
+    let out = idemproxy(&[
+        "explain",
+        "--config",
+        &cfg,
+        "POST",
+        "/api/v1/charges",
+        "-H",
+        "Idempotency-Key: k1",
+        "--body",
+        r#"{"customer":"cus_1"}"#,
+    ]);
+    assert_exit(&out, 0);
+    assert!(
+        explain_field(&stdout(&out), "outcome").starts_with("observed"),
+        "{}",
+        stdout(&out)
+    );
+    // The route's own mode wins over its upstream's.
+    let enforced = observed.replace(
+        "path = \"/v1/charges\"",
+        "path = \"/v1/charges\"\nmode = \"enforce\"",
+    );
+    let cfg = path_str(&dir.write_config(&enforced));
+    let printed = stdout(&idemproxy(&["check", "--config", &cfg]));
+    assert!(printed.contains("mode=enforce"), "{printed}");
+}
