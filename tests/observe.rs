@@ -382,3 +382,52 @@ async fn a_write_in_flight_across_a_reload_is_stored_and_replayed() {
     assert_eq!(retry.body, first.body);
     assert_eq!(upstream.count(), 1);
 }
+
+/// `SIGHUP` to the real binary reloads its file: the route it switched to observe mode hands
+/// the upstream's answer back unchanged and flags the duplicate it forwards.
+#[tokio::test]
+async fn sighup_reloads_the_running_binary() {
+    let upstream = RecordingUpstream::start().await;
+    let dir = TestDir::new();
+    let enforce = config(&upstream, "", CHARGES_ROUTE);
+    let path = dir.write_config(&enforce);
+    let proxy = common::process::ProxyProcess::spawn(&path).await;
+    let url = proxy.url("/api/v1/charges");
+    post_json(&url, Some("k-1"), &charge(), &[])
+        .await
+        .assert_status(200);
+    assert_eq!(
+        post_json(&url, Some("k-1"), &charge(), &[])
+            .await
+            .replayed(),
+        Some(true)
+    );
+    dir.write_config(&enforce.replace(
+        "path = \"/v1/charges\"",
+        "path = \"/v1/charges\"\nmode = \"observe\"",
+    ));
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &proxy.pid().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let metrics = proxy.admin_url("/metrics");
+    let mut reloaded = false;
+    let until = std::time::Instant::now() + WAIT;
+    while std::time::Instant::now() < until {
+        if get(&metrics)
+            .await
+            .text()
+            .contains("idemproxy_config_reloads_total{result=\"ok\"} 1")
+        {
+            reloaded = true;
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    assert!(reloaded, "{}", proxy.stderr());
+    let dup = post_json(&url, Some("k-1"), &charge(), &[]).await;
+    dup.assert_status(200);
+    assert_eq!(dup.header("idemproxy-observed"), Some("replay"));
+    assert_eq!(upstream.count(), 2, "observe mode forwarded the duplicate");
+}
