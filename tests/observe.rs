@@ -431,3 +431,30 @@ async fn sighup_reloads_the_running_binary() {
     assert_eq!(dup.header("idemproxy-observed"), Some("replay"));
     assert_eq!(upstream.count(), 2, "observe mode forwarded the duplicate");
 }
+
+/// A write to an entity another key has claimed: forwarded, flagged `entity_claimed`.
+#[tokio::test]
+async fn observe_mode_flags_a_write_to_a_claimed_entity() {
+    let upstream = RecordingUpstream::start().await;
+    let route = r#"
+[[routes]]
+name = "book"
+upstream = "api"
+methods = ["POST"]
+path = "/bookings"
+entity = "slot:{body.slot}"
+claim = true
+mode = "observe"
+"#;
+    let proxy = TestProxy::start(&config(&upstream, "", route)).await;
+    let url = proxy.url("/api/bookings");
+    let first = post_json(&url, Some("exec-a"), &json!({"slot": "s1"}), &[]).await;
+    first.assert_status(200);
+    assert_eq!(first.header("idemproxy-observed"), None);
+    let other = post_json(&url, Some("exec-b"), &json!({"slot": "s1"}), &[]).await;
+    other.assert_status(200);
+    assert_eq!(other.header("idemproxy-observed"), Some("entity_claimed"));
+    assert_eq!(upstream.count(), 2, "both forwarded");
+    let admin = format!("http://{}", proxy.admin_addr.unwrap());
+    assert_eq!(observed(&admin, "book", "entity_claimed").await, 1);
+}
