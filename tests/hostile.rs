@@ -264,3 +264,64 @@ async fn credentials_in_upstream_urls_go_upstream_and_are_never_printed() {
     assert!(!rec.authority.unwrap_or_default().contains('@'));
     assert!(!proxy.stderr().contains("s3cr3tpw"), "{}", proxy.stderr());
 }
+
+/// An entity named by request data with a control character (a NUL PostgreSQL refuses in text
+/// and JSONB) is stored under its hash: the write goes through once, and on PostgreSQL the
+/// reservations batched with it are not failed by it.
+async fn an_entity_with_a_nul_is_stored_by_its_hash(store: &str) {
+    let upstream = RecordingUpstream::holding().await;
+    let route = r#"
+[[routes]]
+name = "by-customer"
+upstream = "api"
+methods = ["POST"]
+path = "/v2/charges"
+entity = "customer:{body.customer}"
+"#;
+    let text = format!("{}\n{store}", api_config(&upstream, "", "", route));
+    let proxy = TestProxy::start(&text).await;
+    let url = proxy.url("/api/v2/charges");
+    let calls: Vec<_> = ["cus\u{0}x", "cus_2", "cus_3"]
+        .into_iter()
+        .enumerate()
+        .map(|(i, customer)| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let body = serde_json::json!({ "customer": customer });
+                post_json(&url, Some(&format!("k-nul-{i}")), &body, &[]).await
+            })
+        })
+        .collect();
+    upstream.wait_for_held(3).await;
+    upstream.release_all();
+    for c in calls {
+        c.await.unwrap().assert_status(200);
+    }
+    assert_eq!(upstream.count(), 3, "each forwarded once");
+    let retry = post_json(
+        &url,
+        Some("k-nul-0"),
+        &serde_json::json!({ "customer": "cus\u{0}x" }),
+        &[],
+    )
+    .await;
+    assert_eq!(retry.replayed(), Some(true));
+    assert_eq!(upstream.count(), 3);
+}
+
+#[tokio::test]
+async fn an_entity_with_a_nul_is_stored_by_its_hash_on_sqlite() {
+    an_entity_with_a_nul_is_stored_by_its_hash("").await;
+}
+
+#[tokio::test]
+async fn an_entity_with_a_nul_is_stored_by_its_hash_on_postgres() {
+    let Some(pg) = common::pg::PgServer::start().await else {
+        return;
+    };
+    let store = format!(
+        "[store]\nurl = \"{}\"\nscope_secret = \"hostile-test-secret-0123456789\"\n",
+        pg.url
+    );
+    an_entity_with_a_nul_is_stored_by_its_hash(&store).await;
+}

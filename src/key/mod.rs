@@ -80,9 +80,12 @@ pub fn normalize_derived(key: String) -> String {
     }
 }
 
-/// `s`, or its hash when it is longer than `max` bytes.
+/// `s`, or its hash when it is longer than `max` bytes or holds a control character: an
+/// entity named from request data must fit every store's index and column (PostgreSQL's text
+/// and JSONB refuse NUL, and one refused row would fail every reservation batched with it) and
+/// print safely wherever it is shown.
 pub fn bounded(s: String, max: usize) -> String {
-    if s.len() <= max {
+    if s.len() <= max && !s.chars().any(char::is_control) {
         s
     } else {
         hashed(&s)
