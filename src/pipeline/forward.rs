@@ -65,21 +65,22 @@ impl Outgoing {
 
 /// Step 6: the call, timed, counted in flight, the key's lease renewed every third of it.
 pub(super) async fn step(ctx: &mut Ctx) -> Outcome {
-    let started = Instant::now();
-    let outcome = {
-        let _in_flight = ctx.state.stats.on_forward();
-        call_renewing(ctx).await
-    };
-    ctx.upstream_time = Some(started.elapsed());
-    outcome
+    timed(ctx, true).await
 }
 
 /// Step 6 without a reservation to renew (observe mode, when the key was not ours).
 pub(super) async fn plain(ctx: &mut Ctx) -> Outcome {
+    timed(ctx, false).await
+}
+
+async fn timed(ctx: &mut Ctx, renewing: bool) -> Outcome {
     let started = Instant::now();
     let outcome = {
         let _in_flight = ctx.state.stats.on_forward();
-        call::call(&ctx.client, ctx.outgoing.request(), ctx.upstream.timeout).await
+        match renewing {
+            true => call_renewing(ctx).await,
+            false => call::call(&ctx.client, ctx.outgoing.request(), ctx.upstream.timeout).await,
+        }
     };
     ctx.upstream_time = Some(started.elapsed());
     outcome

@@ -13,7 +13,7 @@
 use super::{checks, forward, lock, store, Ctx, Outcome};
 use crate::config::Upstream;
 use crate::error::ProxyError;
-use crate::store::{now_ms, KeyRecord, KeyState, Reservation, Reserved};
+use crate::store::{now_ms, KeyRecord, KeyState, Reserved};
 use crate::upstream::ProxyBody;
 use http::Response;
 
@@ -71,7 +71,7 @@ pub(super) async fn run(
         }
         ctx.observed = Some(e.kind.as_str());
         let called = forward::plain(&mut ctx).await;
-        let (_, outcome) = store::settle(&mut ctx, called);
+        let outcome = store::outcome_of(&mut ctx, called);
         return ctx.finish(outcome);
     }
     let (would, reserve) = look(&mut ctx).await;
@@ -101,7 +101,7 @@ pub(super) async fn run(
     };
     let outcome = match owned {
         true => store::step(&mut ctx, called).await,
-        false => store::settle(&mut ctx, called).1,
+        false => store::outcome_of(&mut ctx, called),
     };
     ctx.finish(outcome)
 }
@@ -153,15 +153,9 @@ fn store_failed(ctx: &Ctx, e: crate::store::StoreError) -> (Option<&'static str>
 /// duplicate got there first: then that is what enforce mode would have seen) or the store
 /// failed.
 async fn reserve_key(ctx: &mut Ctx) -> bool {
-    let reservation = Reservation {
-        id: ctx.p.id.clone(),
-        fingerprint: ctx.p.fingerprint.clone(),
-        route: ctx.route.name.clone(),
-        entities: ctx.p.entities.clone(),
-        owner: ctx.state.owner.clone(),
-        lease: ctx.state.config.store.lease,
-        take_unknown: ctx.upstream.native_idempotency_header.is_some(),
-    };
+    // As enforce mode after step 2: an unknown outcome is taken over when the upstream
+    // dedupes by our key (`would_for_record` let it through only then).
+    let reservation = ctx.reservation(ctx.upstream.native_idempotency_header.is_some());
     match ctx.state.store.reserve(reservation).await {
         Ok(Reserved::Owned { epoch }) => {
             ctx.epoch = epoch;

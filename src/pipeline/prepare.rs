@@ -87,8 +87,13 @@ pub(super) async fn step(
     };
     let prepared = prepare(&ctx.upstream, &ctx.route, plan, &input, &ctx.state.scoper);
     if let Err(e) = prepared {
-        // Observe mode forwards what enforce mode would refuse: keep the request to send.
-        ctx.outgoing = Outgoing::new(&ctx.client, target, "", parts, body)?;
+        // Observe mode forwards what enforce mode would refuse: keep the request to send (if
+        // it cannot even be built, the refusal stands).
+        if ctx.route.mode == crate::config::Mode::Observe {
+            if let Ok(out) = Outgoing::new(&ctx.client, target, "", parts, body) {
+                ctx.outgoing = out;
+            }
+        }
         return Err(e);
     }
     ctx.p = prepared?;

@@ -7,6 +7,21 @@ use super::Ctx;
 use crate::error::{ProxyError, ProxyResult};
 use crate::store::{Reservation, Reserved};
 
+impl Ctx {
+    /// The reservation of this request's key, for a full lease from now.
+    pub(super) fn reservation(&self, take_unknown: bool) -> Reservation {
+        Reservation {
+            id: self.p.id.clone(),
+            fingerprint: self.p.fingerprint.clone(),
+            route: self.route.name.clone(),
+            entities: self.p.entities.clone(),
+            owner: self.state.owner.clone(),
+            lease: self.state.config.store.lease,
+            take_unknown,
+        }
+    }
+}
+
 /// `Ok(true)`: the key is ours. `Ok(false)`: another process reserved it first; its record is
 /// in `ctx.taken` for step 2 to decide on.
 pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<bool> {
@@ -23,15 +38,7 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<bool> {
             });
         }
     }
-    let reservation = Reservation {
-        id: ctx.p.id.clone(),
-        fingerprint: ctx.p.fingerprint.clone(),
-        route: ctx.route.name.clone(),
-        entities: ctx.p.entities.clone(),
-        owner: ctx.state.owner.clone(),
-        lease,
-        take_unknown: ctx.take_unknown,
-    };
+    let reservation = ctx.reservation(ctx.take_unknown);
     match ctx.state.store.reserve(reservation).await {
         Ok(Reserved::Owned { epoch }) => {
             ctx.epoch = epoch;

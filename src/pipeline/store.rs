@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 /// Step 7.
 pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
-    let (finish, outcome) = settle(ctx, called);
+    let outcome = outcome_of(ctx, called);
+    let finish = finish_of(ctx, &outcome);
     let (state, id) = (&ctx.state, &ctx.p.id);
     match state.store.finish(id, ctx.epoch, finish).await {
         Ok(true) => {}
@@ -27,84 +28,70 @@ pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
     outcome
 }
 
-/// What the forward's ending means: what to store, and the request's outcome.
-pub(super) fn settle(ctx: &mut Ctx, called: Called) -> (Finish, Outcome) {
-    let up = ctx.upstream.clone();
+/// What the forward's ending means for the request (nothing stored yet).
+pub(super) fn outcome_of(ctx: &mut Ctx, called: Called) -> Outcome {
+    let released = |status: u16| ctx.upstream.release_statuses.contains(&status);
     match called {
-        Called::Answer(resp) if up.release_statuses.contains(&resp.status) => {
-            ctx.upstream_status = Some(resp.status);
-            let answer = Answer::Full(Arc::new(resp));
-            let outcome = Outcome::Answered {
-                answer,
-                released: true,
-            };
-            (Finish::Released, outcome)
-        }
         Called::Answer(resp) => {
+            let released = released(resp.status);
             ctx.upstream_status = Some(resp.status);
-            let resp = Arc::new(resp);
-            let stored = resp.for_storage(up.store_set_cookie);
-            let expires_at = after_ms(ctx.route.retention);
-            let finish = Finish::Completed {
-                response: stored.clone(),
-                expires_at,
-                effects: effects(ctx, resp.status),
-            };
-            let outcome = Outcome::Answered {
-                answer: Answer::Full(resp),
-                released: false,
-            };
-            (finish, outcome)
-        }
-        Called::Oversize { head, body } if up.release_statuses.contains(&head.status) => {
-            ctx.upstream_status = Some(head.status);
-            let answer = Answer::Streamed(Arc::new(head), body);
-            (
-                Finish::Released,
-                Outcome::Answered {
-                    answer,
-                    released: true,
-                },
-            )
+            Outcome::Answered {
+                answer: Answer::Full(Arc::new(resp)),
+                released,
+            }
         }
         Called::Oversize { head, body } => {
+            let released = released(head.status);
+            ctx.upstream_status = Some(head.status);
+            Outcome::Answered {
+                answer: Answer::Streamed(Arc::new(head), body),
+                released,
+            }
+        }
+        Called::NotSent(why) => Outcome::NotSent(ProxyError::new(
+            ErrorKind::UpstreamUnreachable,
+            format!("upstream {} unreachable: {why}", ctx.upstream.name),
+        )),
+        Called::Unknown(why) => Outcome::Unknown(ProxyError::new(
+            ErrorKind::UpstreamTimeout,
+            format!("upstream {}: {why}", ctx.upstream.name),
+        )),
+    }
+}
+
+/// What the key's record becomes (SPEC's outcome table): a stored answer and its entity
+/// effects, a release (never sent, or a `release_statuses` status), or an unknown outcome.
+fn finish_of(ctx: &Ctx, outcome: &Outcome) -> Finish {
+    let keep_cookie = ctx.upstream.store_set_cookie;
+    let stored = match outcome {
+        Outcome::Unknown(_) => return Finish::Unknown,
+        // Nothing was sent (or a `release_statuses` answer): a retry may be forwarded.
+        Outcome::Answered { released: true, .. }
+        | Outcome::NotSent(_)
+        | Outcome::Replayed(_)
+        | Outcome::Refused(_) => return Finish::Released,
+        Outcome::Answered {
+            answer: Answer::Full(resp),
+            ..
+        } => resp.for_storage(keep_cookie),
+        Outcome::Answered {
+            answer: Answer::Streamed(head, _),
+            ..
+        } => {
             // The write happened and its status is known: the key is completed, but only its
             // head is stored, marked, so retries get `answer_too_large`, never a second forward.
-            ctx.upstream_status = Some(head.status);
-            let head = Arc::new(head);
-            let mut stored: StoredResponse = (*head.for_storage(up.store_set_cookie)).clone();
+            tracing::warn!(key = %ctx.p.id.key, status = head.status, max_answer = ctx.upstream.max_answer, "the answer is over max_answer: streamed to its caller, not stored");
+            let mut stored: StoredResponse = (*head.for_storage(keep_cookie)).clone();
             stored
                 .headers
                 .push((OMITTED_BODY.into(), bytes::Bytes::from_static(b"1")));
-            tracing::warn!(key = %ctx.p.id.key, status = head.status, max_answer = up.max_answer, "the answer is over max_answer: streamed to its caller, not stored");
-            let finish = Finish::Completed {
-                response: Arc::new(stored),
-                expires_at: after_ms(ctx.route.retention),
-                effects: effects(ctx, head.status),
-            };
-            let answer = Answer::Streamed(head, body);
-            (
-                finish,
-                Outcome::Answered {
-                    answer,
-                    released: false,
-                },
-            )
+            Arc::new(stored)
         }
-        Called::NotSent(why) => {
-            let e = ProxyError::new(
-                ErrorKind::UpstreamUnreachable,
-                format!("upstream {} unreachable: {why}", up.name),
-            );
-            (Finish::Released, Outcome::NotSent(e))
-        }
-        Called::Unknown(why) => {
-            let e = ProxyError::new(
-                ErrorKind::UpstreamTimeout,
-                format!("upstream {}: {why}", up.name),
-            );
-            (Finish::Unknown, Outcome::Unknown(e))
-        }
+    };
+    Finish::Completed {
+        effects: effects(ctx, stored.status),
+        response: stored,
+        expires_at: after_ms(ctx.route.retention),
     }
 }
 
