@@ -91,27 +91,27 @@ pub(super) async fn reserve_many(
 }
 
 async fn existing(pool: &PgPool, clock: &Clock, id: &ScopedKey) -> StoreResult<KeyRecord> {
-    let row = sqlx::query(&format!(
-        "SELECT {COLUMNS} FROM idem_keys WHERE upstream = $1 AND scope = $2 AND key = $3"
-    ))
-    .bind(&id.upstream)
-    .bind(&id.scope)
-    .bind(&id.key)
-    .fetch_optional(pool)
-    .await?;
-    clock
-        .records(row.as_slice())?
-        .pop()
+    super::keys::record(pool, clock, id)
+        .await?
         .ok_or_else(|| StoreError::Corrupt("the key vanished while it was being reserved".into()))
 }
 
-/// Stores every outcome whose epoch still owns its key (`false` for the fenced ones), and
-/// NOTIFYs each stored key in the same statement. Outcomes with entity effects are not
-/// batched: their effects share their transaction.
+/// Stores a batch of outcomes without entity effects (those go one at a time, in a
+/// transaction with their effects: see `Keys::finish`).
 pub(super) async fn finish_many(
     pool: &PgPool,
     clock: &Clock,
     fs: Vec<Finishing>,
+) -> StoreResult<Vec<bool>> {
+    store_outcomes(pool, clock, &fs).await
+}
+
+/// Stores every outcome whose epoch still owns its key (`false` for the fenced ones), and
+/// NOTIFYs each stored key in the same statement.
+pub(super) async fn store_outcomes<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    clock: &Clock,
+    fs: &[Finishing],
 ) -> StoreResult<Vec<bool>> {
     let ids =
         |f: fn(&ScopedKey) -> &str| -> Vec<&str> { fs.iter().map(|(id, _, _)| f(id)).collect() };
@@ -142,7 +142,7 @@ pub(super) async fn finish_many(
     .bind(headers)
     .bind(bodies)
     .bind(expiries)
-    .fetch_all(pool)
+    .fetch_all(db)
     .await?;
     let mut owned = vec![false; fs.len()];
     let index = by_id(fs.iter().enumerate().map(|(i, (id, _, _))| (i, id)));

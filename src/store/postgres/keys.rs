@@ -3,18 +3,27 @@
 
 use super::*;
 
+/// A key's record, on the local clock.
+pub(super) async fn record(
+    pool: &PgPool,
+    clock: &Clock,
+    id: &ScopedKey,
+) -> StoreResult<Option<KeyRecord>> {
+    let row = sqlx::query(&format!(
+        "SELECT {COLUMNS} FROM idem_keys WHERE upstream = $1 AND scope = $2 AND key = $3"
+    ))
+    .bind(&id.upstream)
+    .bind(&id.scope)
+    .bind(&id.key)
+    .fetch_optional(pool)
+    .await?;
+    Ok(clock.records(row.as_slice())?.pop())
+}
+
 #[async_trait]
 impl Keys for PgStore {
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
-        let row = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM idem_keys WHERE upstream = $1 AND scope = $2 AND key = $3"
-        ))
-        .bind(&id.upstream)
-        .bind(&id.scope)
-        .bind(&id.key)
-        .fetch_optional(&self.pool)
-        .await?;
-        Ok(self.clock.records(row.as_slice())?.pop())
+        record(&self.pool, &self.clock, id).await
     }
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
         self.reserves.call(r).await
@@ -27,27 +36,11 @@ impl Keys for PgStore {
         // One transaction: the answer and its effects stand or fall together; the
         // notification goes out at commit.
         let mut tx = self.pool.begin().await?;
-        let rows = sqlx::query(&format!(
-            "WITH u AS (UPDATE idem_keys SET state = $1, status = $2, headers = $3, body = $4, expires_at = $5, \
-               owner = NULL, updated_at = {NOW} \
-             WHERE upstream = $6 AND scope = $7 AND key = $8 AND state = 'in_flight' AND epoch = $9 \
-             RETURNING upstream, scope, key) \
-             SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u"
-        ))
-        .bind(c.state.as_str())
-        .bind(c.status.map(i32::from))
-        .bind(c.headers)
-        .bind(c.body.as_deref())
-        .bind(c.expires_at.map(|t| self.clock.to_db(t)))
-        .bind(&id.upstream)
-        .bind(&id.scope)
-        .bind(&id.key)
-        .bind(epoch)
-        .fetch_all(&mut *tx)
-        .await?;
-        let owned = rows.len() == 1;
-        if owned && !c.effects.is_empty() {
-            let mut effects = c.effects;
+        let mut finishing = [(id.clone(), epoch, c)];
+        let owned = batched::store_outcomes(&mut *tx, &self.clock, &finishing).await?;
+        let owned = owned.first().copied().unwrap_or(false);
+        if owned {
+            let mut effects = std::mem::take(&mut finishing[0].2.effects);
             effects.claim_until = effects.claim_until.map(|t| self.clock.to_db(t));
             entities::apply_effects(&mut tx, id, &effects).await?;
         }
