@@ -49,7 +49,7 @@ pub async fn handle(live: Live, req: Request<Incoming>) -> Response<ProxyBody> {
                 ));
             }
             if (&method, p) == (&Method::POST, "/admin/reload") {
-                return reloaded(&live);
+                return reloaded(&live).await;
             }
             admin_api(&state, &method, p).await
         }
@@ -62,8 +62,8 @@ pub async fn handle(live: Live, req: Request<Incoming>) -> Response<ProxyBody> {
 
 /// `POST /admin/reload`: `200` with the settings kept, or `400` with every error
 /// (`file:line:col: message`) and nothing changed.
-fn reloaded(live: &Live) -> Response<ProxyBody> {
-    match crate::reload::reload(live) {
+async fn reloaded(live: &Live) -> Response<ProxyBody> {
+    match crate::reload::reload(live).await {
         Ok(kept) => json_response(StatusCode::OK, json!({"reloaded": true, "kept": kept})),
         Err(errors) => json_response(
             StatusCode::BAD_REQUEST,

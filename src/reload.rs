@@ -14,8 +14,17 @@ use std::sync::Arc;
 /// What a reload did: applied (with the settings it kept), or refused (with every error).
 pub type Reloaded = Result<Vec<String>, Vec<String>>;
 
-/// Reads the file again and, when it is valid, puts it in force.
-pub fn reload(live: &Live) -> Reloaded {
+/// Reads the file again and, when it is valid, puts it in force. Reading the file and the
+/// system's trust roots for the new upstream clients is blocking work: it runs off the
+/// request threads.
+pub async fn reload(live: &Live) -> Reloaded {
+    let live = live.clone();
+    tokio::task::spawn_blocking(move || reload_now(&live))
+        .await
+        .unwrap_or_else(|e| Err(vec![format!("the reload failed: {e}")]))
+}
+
+fn reload_now(live: &Live) -> Reloaded {
     let old = live.load_full();
     let result = apply(live, &old);
     old.stats.on_reload(result.is_ok());

@@ -45,7 +45,8 @@ pub struct Server {
     pub admin_addr: Option<SocketAddr>,
     /// Bound addresses of dedicated per-upstream listeners, by upstream name.
     pub upstream_addrs: BTreeMap<String, SocketAddr>,
-    state: Arc<AppState>,
+    /// The state in force (a reload swaps it; shutdown uses its shared parts).
+    live: Live,
     cancel: CancellationToken,
     loops: Vec<JoinHandle<()>>,
     /// Stops the audit writer (after it flushed) and the retention task.
@@ -92,7 +93,7 @@ impl Server {
             purge_every,
             background_stop.clone(),
         ));
-        let state = Arc::new(AppState {
+        let state = AppState {
             config: config.clone(),
             store,
             auditor,
@@ -104,8 +105,9 @@ impl Server {
             owner: format!("pid{}-{}", std::process::id(), crate::store::now_ms()),
             scoper: Arc::new(scoper),
             legacy_scopes: check.legacy_keys,
-        });
-        let live: Live = Arc::new(arc_swap::ArcSwap::new(state.clone()));
+        };
+        let live: Live = Arc::new(arc_swap::ArcSwap::from_pointee(state));
+        let state = live.load_full();
         let hangup = tokio::spawn(reload_on_hangup(live.clone(), background_stop.clone()));
         let tls = match &config.server.tls {
             Some(files) => Some(tls_acceptor(files)?),
@@ -172,7 +174,7 @@ impl Server {
             main_addr,
             admin_addr,
             upstream_addrs,
-            state,
+            live,
             cancel,
             loops,
             background_stop,
@@ -182,7 +184,7 @@ impl Server {
 
     /// Request statistics (also served on `/metrics`).
     pub fn stats(&self) -> Arc<Stats> {
-        self.state.stats.clone()
+        self.live.load().stats.clone()
     }
 
     /// Stops accepting, lets open connections and detached upstream calls finish and be
@@ -192,13 +194,14 @@ impl Server {
         for l in self.loops {
             let _ = l.await;
         }
-        self.state.tracker.close();
-        self.state.tracker.wait().await;
+        let state = self.live.load_full();
+        state.tracker.close();
+        state.tracker.wait().await;
         self.background_stop.cancel();
         for task in self.background {
             let _ = task.await;
         }
-        self.state.store.close().await;
+        state.store.close().await;
         tracing::info!("stopped");
     }
 }
@@ -246,7 +249,7 @@ async fn reload_on_hangup(live: Live, stop: CancellationToken) {
                         return;
                     }
                     tracing::info!("SIGHUP: reloading the configuration");
-                    let _ = crate::reload::reload(&live);
+                    let _ = crate::reload::reload(&live).await;
                 }
             }
         }
