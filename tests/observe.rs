@@ -13,47 +13,33 @@ use serde_json::json;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
-const OBSERVED_CHARGES: &str = r#"
-[[routes]]
-name = "charges"
-upstream = "api"
-methods = ["POST"]
-path = "/v1/charges"
-mode = "observe"
-"#;
+/// `route` (one `[[routes]]` entry) in observe mode.
+fn observing(route: &str) -> String {
+    format!("{route}mode = \"observe\"\n")
+}
 
-const OBSERVED_CONTACTS: &str = r#"
-[[routes]]
-name = "contact-update"
-upstream = "api"
-methods = ["PATCH"]
-path = "/contacts/{id}"
-entity = "contact:{path.id}"
-key = { header = "", derive = "{header.x-request-id}" }
-version = "{header.x-entity-version}"
-mode = "observe"
-"#;
+/// The charges route of `text` with one more `line`.
+fn charges_with(text: &str, line: &str) -> String {
+    let path = "path = \"/v1/charges\"";
+    text.replace(path, &format!("{path}\n{line}"))
+}
 
 fn config(upstream: &RecordingUpstream, store: &str, routes: &str) -> String {
     format!("{}\n{store}", api_config(upstream, "", "", routes))
 }
 
 /// `idemproxy_observed_total{route, would}` as scraped.
-async fn observed(proxy_admin: &str, route: &str, would: &str) -> u64 {
-    let text = get(&format!("{proxy_admin}/metrics")).await.text();
-    let line = format!("idemproxy_observed_total{{route=\"{route}\",would=\"{would}\"}} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&line))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
+async fn observed(admin: &str, route: &str, would: &str) -> u64 {
+    let series = format!("idemproxy_observed_total{{route=\"{route}\",would=\"{would}\"}}");
+    metric(admin, &series).await
 }
 
-async fn metric(proxy_admin: &str, name: &str) -> u64 {
-    let text = get(&format!("{proxy_admin}/metrics")).await.text();
-    text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
+async fn reloads(admin: &str, result: &str) -> u64 {
+    metric(
+        admin,
+        &format!("idemproxy_config_reloads_total{{result=\"{result}\"}}"),
+    )
+    .await
 }
 
 fn spawn_post(url: &str, key: &str, body: serde_json::Value) -> tokio::task::JoinHandle<Resp> {
@@ -86,7 +72,11 @@ async fn patch(url: &str, request_id: &str, version: &str) -> Resp {
 /// mode stored.
 async fn observe_scenario(store: &str) {
     let upstream = RecordingUpstream::holding().await;
-    let routes = format!("{OBSERVED_CHARGES}\n{OBSERVED_CONTACTS}");
+    let routes = format!(
+        "{}\n{}",
+        observing(CHARGES_ROUTE),
+        observing(CONTACTS_ROUTE)
+    );
     let proxy = TestProxy::start_file(&config(&upstream, store, &routes)).await;
     let admin = format!("http://{}", proxy.admin_addr.unwrap());
     let url = proxy.url("/api/v1/charges");
@@ -221,7 +211,7 @@ async fn observe_mode_fails_open_when_the_store_is_down() {
         "[store]\nurl = \"{}\"\nscope_secret = \"observe-test-secret-0123456789\"\n",
         pg.url
     );
-    let proxy = TestProxy::start(&config(&upstream, &store, OBSERVED_CHARGES)).await;
+    let proxy = TestProxy::start(&config(&upstream, &store, &observing(CHARGES_ROUTE))).await;
     let admin = format!("http://{}", proxy.admin_addr.unwrap());
     pg.stop();
     let r = post_json(
@@ -275,10 +265,7 @@ async fn a_reload_under_load_loses_nothing_and_applies_to_new_requests_only() {
     )
     .await;
     phase.store(1, Ordering::SeqCst);
-    let observe = enforce.replace(
-        "path = \"/v1/charges\"",
-        "path = \"/v1/charges\"\nmode = \"observe\"",
-    );
+    let observe = charges_with(&enforce, "mode = \"observe\"");
     let r = proxy.reload(&observe).await;
     r.assert_status(200);
     phase.store(2, Ordering::SeqCst);
@@ -297,11 +284,7 @@ async fn a_reload_under_load_loses_nothing_and_applies_to_new_requests_only() {
         "new rules after it"
     );
     let admin = format!("http://{}", proxy.admin_addr.unwrap());
-    let text = get(&format!("{admin}/metrics")).await.text();
-    assert!(
-        text.contains("idemproxy_config_reloads_total{result=\"ok\"} 1"),
-        "{text}"
-    );
+    assert_eq!(reloads(&admin, "ok").await, 1);
 }
 
 /// An invalid file changes nothing and says exactly what is wrong; settings that cannot
@@ -312,10 +295,7 @@ async fn an_invalid_reload_changes_nothing_and_names_the_line() {
     let good = config(&upstream, "", CHARGES_ROUTE);
     let proxy = TestProxy::start_file(&good).await;
     let url = proxy.url("/api/v1/charges");
-    let bad = good.replace(
-        "path = \"/v1/charges\"",
-        "path = \"/v1/charges\"\nmode = \"sometimes\"",
-    );
+    let bad = charges_with(&good, "mode = \"sometimes\"");
     let r = proxy.reload(&bad).await;
     r.assert_status(400);
     let errors = r.json()["error"]["errors"].clone();
@@ -337,11 +317,7 @@ async fn an_invalid_reload_changes_nothing_and_names_the_line() {
     assert_eq!(again.replayed(), Some(true));
     assert_eq!(upstream.count(), 1);
     let admin = format!("http://{}", proxy.admin_addr.unwrap());
-    let text = get(&format!("{admin}/metrics")).await.text();
-    assert!(
-        text.contains("idemproxy_config_reloads_total{result=\"error\"} 1"),
-        "{text}"
-    );
+    assert_eq!(reloads(&admin, "error").await, 1);
 
     // A listener address cannot move while running: reported, kept, the rest applied.
     let moved = good.replacen(
@@ -368,10 +344,7 @@ async fn a_write_in_flight_across_a_reload_is_stored_and_replayed() {
     let url = proxy.url("/api/v1/charges");
     let slow = spawn_post(&url, "k-slow", charge());
     upstream.wait_for_held(1).await;
-    let retention = good.replace(
-        "path = \"/v1/charges\"",
-        "path = \"/v1/charges\"\nretention = \"1h\"",
-    );
+    let retention = charges_with(&good, "retention = \"1h\"");
     proxy.reload(&retention).await.assert_status(200);
     upstream.release_all();
     let first = slow.await.unwrap();
@@ -402,28 +375,17 @@ async fn sighup_reloads_the_running_binary() {
             .replayed(),
         Some(true)
     );
-    dir.write_config(&enforce.replace(
-        "path = \"/v1/charges\"",
-        "path = \"/v1/charges\"\nmode = \"observe\"",
-    ));
+    dir.write_config(&charges_with(&enforce, "mode = \"observe\""));
     let status = std::process::Command::new("kill")
         .args(["-HUP", &proxy.pid().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
-    let metrics = proxy.admin_url("/metrics");
+    let admin = proxy.admin_url("");
     let mut reloaded = false;
     let until = std::time::Instant::now() + WAIT;
-    while std::time::Instant::now() < until {
-        if get(&metrics)
-            .await
-            .text()
-            .contains("idemproxy_config_reloads_total{result=\"ok\"} 1")
-        {
-            reloaded = true;
-            break;
-        }
-        tokio::task::yield_now().await;
+    while !reloaded && std::time::Instant::now() < until {
+        reloaded = reloads(&admin, "ok").await == 1;
     }
     assert!(reloaded, "{}", proxy.stderr());
     let dup = post_json(&url, Some("k-1"), &charge(), &[]).await;
@@ -457,4 +419,60 @@ mode = "observe"
     assert_eq!(upstream.count(), 2, "both forwarded");
     let admin = format!("http://{}", proxy.admin_addr.unwrap());
     assert_eq!(observed(&admin, "book", "entity_claimed").await, 1);
+}
+
+/// What enforce mode refuses for want of a key is forwarded in observe mode and flagged; a
+/// body over `max_body` is refused in both modes (there is nothing whole to forward).
+#[tokio::test]
+async fn observe_mode_forwards_an_unkeyed_request_but_not_an_oversized_body() {
+    let upstream = RecordingUpstream::start().await;
+    // No derivation: a request without the header cannot be keyed.
+    let route = charges_with(
+        CHARGES_ROUTE,
+        "key = { header = \"Idempotency-Key\", derive = \"\" }",
+    );
+    let text = api_config(&upstream, "max_body = \"1KiB\"\n", "", &observing(&route));
+    let proxy = TestProxy::start(&text).await;
+    let admin = format!("http://{}", proxy.admin_addr.unwrap());
+    let url = proxy.url("/api/v1/charges");
+    let unkeyed = post_json(&url, None, &charge(), &[]).await;
+    unkeyed.assert_status(200);
+    assert_eq!(unkeyed.header("idemproxy-observed"), Some("key_missing"));
+    assert_eq!(upstream.count(), 1, "forwarded without a key");
+    assert_eq!(observed(&admin, "charges", "key_missing").await, 1);
+    let huge = json!({ "memo": "x".repeat(4096) });
+    let refused = post_json(&url, Some("k-huge"), &huge, &[]).await;
+    refused.assert_status(413);
+    assert_eq!(upstream.count(), 1, "an oversized body is never forwarded");
+}
+
+/// `POST /admin/reload` is behind the admin token: without it, the file is not read again.
+#[tokio::test]
+async fn a_reload_needs_the_admin_token() {
+    let upstream = RecordingUpstream::start().await;
+    let good = api_config(&upstream, "admin_token = \"s3cret\"\n", "", CHARGES_ROUTE);
+    let proxy = TestProxy::start_file(&good).await;
+    proxy
+        .dir
+        .write_config(&charges_with(&good, "mode = \"observe\""));
+    let reload = proxy.admin_url("/admin/reload");
+    let refused = request("POST", &reload, &[], "").await;
+    refused.assert_status(401);
+    let url = proxy.url("/api/v1/charges");
+    post_json(&url, Some("k-1"), &charge(), &[])
+        .await
+        .assert_status(200);
+    let again = post_json(&url, Some("k-1"), &charge(), &[]).await;
+    assert_eq!(again.replayed(), Some(true), "still enforce mode");
+    assert_eq!(upstream.count(), 1);
+    let admin = format!("http://{}", proxy.admin_addr.unwrap());
+    assert_eq!(
+        reloads(&admin, "ok").await + reloads(&admin, "error").await,
+        0
+    );
+    let allowed = request("POST", &reload, &[("authorization", "Bearer s3cret")], "").await;
+    allowed.assert_status(200);
+    let observed_dup = post_json(&url, Some("k-1"), &charge(), &[]).await;
+    assert_eq!(observed_dup.header("idemproxy-observed"), Some("replay"));
+    assert_eq!(upstream.count(), 2);
 }

@@ -50,6 +50,18 @@ pub const WAIT: Duration = Duration::from_secs(10);
 /// For conditions with no notification to await (a proxy gauge, a file appearing). This is a
 /// bounded wait for a condition, not a sleep used as synchronisation: it returns as soon as the
 /// condition holds, and the assertion a test makes afterwards never depends on timing.
+/// One series of the `/metrics` page under `admin` (`http://host:port`): `series` is the name
+/// with its labels as rendered, e.g. `idemproxy_config_reloads_total{result="ok"}`; `0` when
+/// absent (a counter never incremented).
+pub async fn metric(admin: &str, series: &str) -> u64 {
+    let text = get(&format!("{admin}/metrics")).await.text();
+    let prefix = format!("{series} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
 pub async fn wait_until(mut cond: impl FnMut() -> bool, timeout: Duration, what: &str) {
     let deadline = Instant::now() + timeout;
     loop {
