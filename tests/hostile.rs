@@ -265,7 +265,7 @@ async fn credentials_in_upstream_urls_go_upstream_and_are_never_printed() {
     assert!(!proxy.stderr().contains("s3cr3tpw"), "{}", proxy.stderr());
 }
 
-/// An entity named by request data with a control character (a NUL PostgreSQL refuses in text
+/// An entity named by request data with a NUL (which PostgreSQL refuses in text
 /// and JSONB) is stored under its hash: the write goes through once, and on PostgreSQL the
 /// reservations batched with it are not failed by it.
 async fn an_entity_with_a_nul_is_stored_by_its_hash(store: &str) {
@@ -319,9 +319,6 @@ async fn an_entity_with_a_nul_is_stored_by_its_hash_on_postgres() {
     let Some(pg) = common::pg::PgServer::start().await else {
         return;
     };
-    let store = format!(
-        "[store]\nurl = \"{}\"\nscope_secret = \"hostile-test-secret-0123456789\"\n",
-        pg.url
-    );
+    let store = pg.store_toml();
     an_entity_with_a_nul_is_stored_by_its_hash(&store).await;
 }

@@ -80,12 +80,12 @@ pub fn normalize_derived(key: String) -> String {
     }
 }
 
-/// `s`, or its hash when it is longer than `max` bytes or holds a control character: an
-/// entity named from request data must fit every store's index and column (PostgreSQL's text
-/// and JSONB refuse NUL, and one refused row would fail every reservation batched with it) and
-/// print safely wherever it is shown.
+/// `s`, or its hash when it is longer than `max` bytes or holds a NUL: an entity named from
+/// request data must fit every store's index and column (PostgreSQL's text and JSONB refuse
+/// NUL, and one refused row would fail every reservation batched with it). Other control
+/// characters are kept, and escaped wherever the name is shown.
 pub fn bounded(s: String, max: usize) -> String {
-    if s.len() <= max && !s.chars().any(char::is_control) {
+    if s.len() <= max && !s.contains('\0') {
         s
     } else {
         hashed(&s)
