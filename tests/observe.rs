@@ -193,10 +193,7 @@ async fn observe_mode_forwards_everything_and_counts_what_enforce_would_do_on_po
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    let store = format!(
-        "[store]\nurl = \"{}\"\nscope_secret = \"observe-test-secret-0123456789\"\n",
-        pg.url
-    );
+    let store = pg.store_toml();
     observe_scenario(&store).await;
 }
 
@@ -207,10 +204,7 @@ async fn observe_mode_fails_open_when_the_store_is_down() {
         return;
     };
     let upstream = RecordingUpstream::start().await;
-    let store = format!(
-        "[store]\nurl = \"{}\"\nscope_secret = \"observe-test-secret-0123456789\"\n",
-        pg.url
-    );
+    let store = pg.store_toml();
     let proxy = TestProxy::start(&config(&upstream, &store, &observing(CHARGES_ROUTE))).await;
     let admin = format!("http://{}", proxy.admin_addr.unwrap());
     pg.stop();

@@ -52,6 +52,14 @@ impl PgServer {
         })
     }
 
+    /// A `[store]` table for a proxy on this server (PostgreSQL needs a scope secret).
+    pub fn store_toml(&self) -> String {
+        format!(
+            "[store]\nurl = \"{}\"\nscope_secret = \"test-scope-secret-0123456789abcdef\"\n",
+            self.url
+        )
+    }
+
     /// Whether this test owns the server (and so may stop and start it).
     pub fn owned(&self) -> bool {
         self.cluster.is_some()
