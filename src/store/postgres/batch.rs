@@ -18,7 +18,9 @@ const IN_FLIGHT: usize = 4;
 
 type Item<I, O> = (I, oneshot::Sender<StoreResult<O>>);
 
-/// A queue of one kind of request, run `run(batch)` at a time.
+/// A queue of one kind of request, run `run(batch)` at a time. Unbounded, because what
+/// fills it is: each queued item is a request in flight holding a connection slot
+/// (`server.max_connections`), and it waits for its answer.
 pub struct Batcher<I, O> {
     tx: mpsc::UnboundedSender<Item<I, O>>,
 }
