@@ -187,6 +187,12 @@ impl ProxyError {
         }
     }
 
+    /// The same error, its message extended with what the proxy did next.
+    pub fn also(mut self, more: &str) -> Self {
+        self.message = format!("{}; {more}", self.message);
+        self
+    }
+
     pub fn with_key(mut self, key: &str) -> Self {
         self.key = Some(key.to_owned());
         self

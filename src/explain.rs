@@ -173,6 +173,27 @@ pub fn explain(
             pc.method, pc.expect_status
         );
     }
+    if let (Some(rc), Some(read)) = (&route.reconcile, &p.reconcile) {
+        let expect: Vec<String> = rc
+            .expect
+            .iter()
+            .zip(&read.expect)
+            .map(|((field, _), v)| format!("body.{field} = {v}"))
+            .collect();
+        let _ = writeln!(
+            w,
+            "reconcile:   if the answer is lost: after {:?}, {} {} (found {:?}, not_found {:?}{})",
+            rc.after,
+            rc.method,
+            read.path,
+            rc.found,
+            rc.not_found,
+            match expect.is_empty() {
+                true => String::new(),
+                false => format!(", expecting {}", expect.join(", ")),
+            }
+        );
+    }
     if let Some(native) = &upstream.native_idempotency_header {
         let _ = writeln!(w, "native:      sends {native}: {}", p.key);
     }

@@ -25,6 +25,12 @@ struct ObservedLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReconcileLabels {
+    route: String,
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: String,
 }
@@ -55,6 +61,8 @@ pub struct Stats {
     /// Observe mode: what enforce mode would have done.
     observed: Family<ObservedLabels, Counter>,
     reloads: Family<ResultLabels, Counter>,
+    /// Reconcile reads by route and result (found, not_found, failed).
+    reconciles: Family<ReconcileLabels, Counter>,
     upstream_seconds: Histograms,
     lock_wait_seconds: Histograms,
 }
@@ -82,6 +90,7 @@ impl Default for Stats {
             requests: Family::default(),
             observed: Family::default(),
             reloads: Family::default(),
+            reconciles: Family::default(),
             upstream_seconds: Family::new_with_constructor(seconds_histogram),
             lock_wait_seconds: Family::new_with_constructor(seconds_histogram),
         };
@@ -95,6 +104,11 @@ impl Default for Stats {
             "idemproxy_observed",
             "Observe mode: requests enforce mode would have replayed, refused or held, by route and what it would have done",
             s.observed.clone(),
+        );
+        r.register(
+            "idemproxy_reconciles",
+            "Reconcile reads of unknown outcomes by route and result (found, not_found, failed)",
+            s.reconciles.clone(),
         );
         r.register(
             "idemproxy_config_reloads",
@@ -227,6 +241,16 @@ impl Stats {
             .get_or_create(&ObservedLabels {
                 route: route.to_owned(),
                 would: would.to_owned(),
+            })
+            .inc();
+    }
+
+    /// A reconcile read and what it decided.
+    pub(crate) fn on_reconcile(&self, route: &str, result: &str) {
+        self.reconciles
+            .get_or_create(&ReconcileLabels {
+                route: route.to_owned(),
+                result: result.to_owned(),
             })
             .inc();
     }

@@ -9,6 +9,7 @@ pub(super) mod compile;
 mod ctx;
 pub mod raw;
 mod routes;
+mod side_reads;
 pub mod units;
 
 use crate::body::BodyPath;
@@ -178,6 +179,28 @@ pub struct Precheck {
     pub expect: Vec<(BodyPath, serde_json::Value)>,
 }
 
+/// SPEC "Reconciling unknown outcomes": how to ask the real system whether a write whose
+/// answer was lost happened, so a retry gets the object instead of `409 outcome_unknown`.
+#[derive(Debug)]
+pub struct Reconcile {
+    pub method: Method,
+    /// A template over the original request.
+    pub path: Template,
+    pub found: Vec<u16>,
+    pub not_found: Vec<u16>,
+    /// How long to wait before the read (and the least time between two reads of one key).
+    pub after: Duration,
+    /// Body fields a `found` answer must hold, else it counts as `not_found`.
+    pub expect: Vec<(BodyPath, Expected)>,
+}
+
+/// An expected value: as written, or a template over the original request.
+#[derive(Debug)]
+pub enum Expected {
+    Value(serde_json::Value),
+    Template(Template),
+}
+
 #[derive(Debug)]
 pub struct Route {
     pub name: String,
@@ -197,6 +220,7 @@ pub struct Route {
     pub claim: Option<Duration>,
     pub release_claim: bool,
     pub precheck: Option<Precheck>,
+    pub reconcile: Option<Reconcile>,
     /// How long a completed key stays replayable: the route's, else `store.retention`
     /// (resolved at load).
     pub retention: Duration,
@@ -309,6 +333,7 @@ impl Route {
             claim: None,
             release_claim: false,
             precheck: None,
+            reconcile: None,
             retention,
             needs_body: false,
             read_only: false,
@@ -338,8 +363,12 @@ impl Route {
         } else {
             "optional"
         };
+        let reconcile = match &self.reconcile {
+            Some(rc) => format!(" reconcile={} {}", rc.method, rc.path.text()),
+            None => String::new(),
+        };
         format!(
-            "{}: upstream={} methods={} path={} entity={} key=[{key}] ({required}) in_flight={:?} mode={}",
+            "{}: upstream={} methods={} path={} entity={} key=[{key}] ({required}) in_flight={:?} mode={}{reconcile}",
             self.name,
             self.upstream,
             methods.join(","),

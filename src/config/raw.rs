@@ -90,6 +90,7 @@ pub struct RawRoute {
     pub claim_ttl: Option<Str>,
     pub release_claim: Option<bool>,
     pub precheck: Option<Spanned<RawPrecheck>>,
+    pub reconcile: Option<Spanned<RawReconcile>>,
     pub retention: Option<Str>,
     pub read_only: Option<bool>,
 }
@@ -117,6 +118,18 @@ pub struct RawPrecheck {
     pub method: Option<Str>,
     pub path: Str,
     pub expect_status: Option<Vec<Spanned<i64>>>,
+    #[serde(default)]
+    pub expect: BTreeMap<String, Spanned<toml::Value>>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawReconcile {
+    pub method: Option<Str>,
+    pub path: Str,
+    pub found: Option<Vec<Spanned<i64>>>,
+    pub not_found: Option<Vec<Spanned<i64>>>,
+    pub after: Option<Str>,
     #[serde(default)]
     pub expect: BTreeMap<String, Spanned<toml::Value>>,
 }

@@ -2,6 +2,7 @@
 //! route can provide, key rule, fingerprint rule, ordered-persistence fields, precheck.
 
 use super::ctx::Ctx;
+use super::side_reads::{precheck, reconcile};
 use super::raw::*;
 use super::*;
 use crate::template::Source;
@@ -188,6 +189,10 @@ pub(super) fn route(
         .precheck
         .as_ref()
         .and_then(|p| precheck(cx, &name, p, &mut check));
+    let reconcile = r
+        .reconcile
+        .as_ref()
+        .and_then(|p| reconcile(cx, &name, p, &mut check));
     let retention = r
         .retention
         .as_ref()
@@ -202,6 +207,7 @@ pub(super) fn route(
         || precheck
             .as_ref()
             .is_some_and(|p| p.path.uses(|s| matches!(s, Source::Body(_))))
+        || reconcile.as_ref().is_some_and(|r| r.reads_body())
         || !fingerprint.ignore.is_empty();
     let read_only = r.read_only.unwrap_or(false);
     if read_only
@@ -210,11 +216,12 @@ pub(super) fn route(
             || claim
             || release_claim
             || precheck.is_some()
+            || reconcile.is_some()
             || r.key.is_some())
     {
         cx.err(
             sp.span(),
-            format!("route {name:?}: a read_only route is never keyed or locked: it takes no key, entity, version, claim or precheck"),
+            format!("route {name:?}: a read_only route is never keyed or locked: it takes no key, entity, version, claim, precheck or reconcile"),
         );
     }
     if cx.errors.len() > errors_before {
@@ -240,75 +247,9 @@ pub(super) fn route(
         claim: claim.then(|| claim_ttl.unwrap_or(Duration::from_secs(86_400))),
         release_claim,
         precheck,
+        reconcile,
         retention,
         needs_body,
         read_only,
     })
-}
-
-type Check<'a> = dyn FnMut(&mut Ctx, &str, &Str, bool, bool) -> Option<Template> + 'a;
-
-fn precheck(
-    cx: &mut Ctx,
-    name: &str,
-    sp: &Spanned<RawPrecheck>,
-    check: &mut Check,
-) -> Option<Precheck> {
-    let p = sp.get_ref();
-    let method = match &p.method {
-        None => Method::GET,
-        Some(m) => {
-            let s = cx.s(m)?.to_ascii_uppercase();
-            match Method::from_bytes(s.as_bytes()) {
-                Ok(m) if m.is_safe() => m,
-                _ => {
-                    cx.err(
-                        m.span(),
-                        format!("route {name:?}: precheck method must be GET or HEAD, not {s:?}"),
-                    );
-                    return None;
-                }
-            }
-        }
-    };
-    let path = check(cx, "precheck.path", &p.path, true, false)?;
-    let expect_status = p
-        .expect_status
-        .iter()
-        .flatten()
-        .filter_map(|s| match u16::try_from(*s.get_ref()) {
-            Ok(c) if (100..=599).contains(&c) => Some(c),
-            _ => {
-                cx.err(s.span(), format!("{} is not an HTTP status", s.get_ref()));
-                None
-            }
-        })
-        .collect();
-    let mut expect = Vec::new();
-    for (field, value) in &p.expect {
-        let parsed = field.strip_prefix("body.").map(BodyPath::parse);
-        let json = serde_json::to_value(value.get_ref()).ok();
-        match (parsed, json) {
-            (Some(Ok(path)), Some(v)) => expect.push((path, v)),
-            (Some(Err(e)), _) => cx.err(value.span(), e),
-            _ => cx.err(
-                value.span(),
-                format!("precheck.expect {field:?}: keys must be body.* fields"),
-            ),
-        }
-    }
-    Some(Precheck {
-        method,
-        path,
-        expect_status: if expect_status_is_empty(&p.expect_status) {
-            vec![200]
-        } else {
-            expect_status
-        },
-        expect,
-    })
-}
-
-fn expect_status_is_empty(v: &Option<Vec<Spanned<i64>>>) -> bool {
-    v.as_ref().is_none_or(|v| v.is_empty())
 }

@@ -2,18 +2,13 @@
 //! Each refuses with a 409 that says what it saw, and nothing is forwarded.
 
 use super::prepare::Prepared;
-use super::Ctx;
+use super::{side_read, Ctx};
 use crate::config::{Precheck, Route};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::store::{now_ms, EntityState, Store};
-use crate::upstream::describe;
-use crate::upstream::{full, UpstreamClient};
-use http::{HeaderMap, Request};
-use http_body_util::{BodyExt, Limited};
-use serde_json::{json, Value};
-
-/// Most bytes of a precheck answer read.
-const PRECHECK_MAX_BODY: usize = 1 << 20;
+use crate::upstream::UpstreamClient;
+use http::HeaderMap;
+use serde_json::json;
 
 /// Step 4, inside the locks.
 pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<()> {
@@ -97,91 +92,14 @@ async fn precheck(
     client: &UpstreamClient,
     headers: &HeaderMap,
 ) -> ProxyResult<()> {
-    let up = &client.upstream;
-    let uri = client.uri(path).map_err(|e| {
-        ProxyError::new(
-            ErrorKind::BadPath,
-            format!("the precheck path {path:?} is not a URL: {e}"),
-        )
-    })?;
-    let mut req = Request::new(full(bytes::Bytes::new()));
-    *req.method_mut() = pc.method.clone();
-    *req.uri_mut() = uri;
-    for name in crate::key::credential_names(&up.scope_headers) {
-        for v in headers.get_all(name) {
-            req.headers_mut().append(name.clone(), v.clone());
-        }
-    }
-    req.headers_mut().insert(
-        http::header::ACCEPT,
-        http::HeaderValue::from_static("application/json"),
-    );
-    let fetch = async {
-        let resp = client.send(req).await.map_err(|e| {
-            let kind = if e.is_connect() {
-                ErrorKind::UpstreamUnreachable
-            } else {
-                ErrorKind::UpstreamTimeout
-            };
-            ProxyError::new(
-                kind,
-                format!("the precheck {path} failed: {}", describe(&e)),
-            )
-        })?;
-        let status = resp.status().as_u16();
-        let body = Limited::new(resp.into_body(), PRECHECK_MAX_BODY)
-            .collect()
-            .await
-            .map_err(|e| {
-                ProxyError::new(
-                    ErrorKind::UpstreamTimeout,
-                    format!("the precheck answer broke off: {e}"),
-                )
-            })?
-            .to_bytes();
-        Ok::<_, ProxyError>((status, body))
-    };
-    let (status, body) = tokio::time::timeout(up.timeout, fetch)
-        .await
-        .map_err(|_| {
-            ProxyError::new(
-                ErrorKind::UpstreamTimeout,
-                format!("the precheck {path} got no answer in time"),
-            )
-        })??;
-    let json: Option<Value> = serde_json::from_slice(&body).ok();
-    let mut seen = serde_json::Map::new();
-    let mut ok = pc.expect_status.contains(&status);
-    for (field, expected) in &pc.expect {
-        let value = json
-            .as_ref()
-            .and_then(|j| field.values(j).into_iter().next().cloned());
-        ok &= value.as_ref().is_some_and(|v| same(v, expected));
-        seen.insert(format!("body.{field}"), value.unwrap_or(Value::Null));
-    }
-    if ok {
+    let answer = side_read::read(client, &pc.method, path, headers, "precheck").await?;
+    let (held, seen) = side_read::holds(&answer.body, pc.expect.iter().map(|(f, v)| (f, v)));
+    if held && pc.expect_status.contains(&answer.status) {
         return Ok(());
     }
+    let status = answer.status;
     Err(ProxyError::new(ErrorKind::PrecheckFailed, format!("the precheck {} {path} did not match", pc.method))
         .details(json!({"precheck": {"method": pc.method.as_str(), "path": path, "status": status, "seen": seen}})))
-}
-
-/// Equal as JSON, or equal as text (`"5"` from a form-minded API matches `5`).
-fn same(seen: &Value, expected: &Value) -> bool {
-    let text = |v: &Value| match v {
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    };
-    // Numbers by value (`5.50` is `5.5`, `1e2` is `100`), as numbers are kept as written.
-    let number = |v: &Value| match v {
-        Value::Number(n) => n.as_f64(),
-        Value::String(s) => s.trim().parse::<f64>().ok(),
-        _ => None,
-    };
-    let numeric = matches!(seen, Value::Number(_)) || matches!(expected, Value::Number(_));
-    seen == expected
-        || text(seen) == text(expected)
-        || (numeric && number(seen).is_some_and(|a| number(expected) == Some(a)))
 }
 
 #[cfg(test)]
@@ -215,14 +133,9 @@ mod tests {
     }
 
     #[test]
-    fn values_compare_as_json_or_text() {
-        assert!(same(&json!("free"), &json!("free")));
-        assert!(same(&json!(5), &json!("5")));
-        let n = |t: &str| serde_json::from_str::<Value>(t).unwrap();
-        assert!(same(&n("5.50"), &n("5.5")));
-        assert!(same(&n("1e2"), &n("100")));
-        assert!(!same(&n("5.51"), &n("5.5")));
-        assert!(!same(&json!("taken"), &json!("free")));
-        let _ = state("x", None, Some(("k", now_ms() + 1000)));
+    fn another_keys_live_claim_refuses() {
+        let p = Prepared::default();
+        assert!(check_claims(&[state("x", None, Some(("k", now_ms() + 60_000)))], &p).is_err());
+        assert!(check_claims(&[state("x", None, Some(("k", now_ms() - 1)))], &p).is_ok());
     }
 }

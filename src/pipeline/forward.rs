@@ -87,14 +87,19 @@ async fn timed(ctx: &mut Ctx, renewing: bool) -> Outcome {
 }
 
 async fn call_renewing(ctx: &Ctx) -> Outcome {
+    let call = call::call(&ctx.client, ctx.outgoing.request(), ctx.upstream.timeout);
+    renewing(ctx, call).await
+}
+
+/// Runs `work` (the call, a reconcile) while renewing the key's lease every third of it.
+pub(super) async fn renewing<F: std::future::Future>(ctx: &Ctx, work: F) -> F::Output {
     let lease = ctx.state.config.store.lease;
     let every = (lease / 3).max(Duration::from_millis(100));
-    let call = call::call(&ctx.client, ctx.outgoing.request(), ctx.upstream.timeout);
-    tokio::pin!(call);
+    tokio::pin!(work);
     let mut tick = tokio::time::interval_at(Instant::now() + every, every);
     loop {
         tokio::select! {
-            outcome = &mut call => return outcome,
+            out = &mut work => return out,
             _ = tick.tick() => renew(ctx, lease).await,
         }
     }

@@ -21,9 +21,11 @@ pub(super) enum Found {
 
 /// What a stored record means for this request.
 enum Decision {
-    /// `take_unknown`: re-forward an unknown outcome (only when the upstream dedupes by our key).
+    /// `take_unknown`: take over an unknown outcome, to re-forward it (only when the upstream
+    /// dedupes by our key) or, with `reconcile`, to ask the real system first.
     Proceed {
         take_unknown: bool,
+        reconcile: bool,
     },
     Replay(Arc<StoredResponse>),
     /// Another process owns the key until this time (ms); wait for it.
@@ -84,8 +86,12 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
         };
         match decide(ctx, record.as_ref())? {
             Decision::Replay(stored) => return Ok(Found::Replay(stored)),
-            Decision::Proceed { take_unknown } => {
+            Decision::Proceed {
+                take_unknown,
+                reconcile,
+            } => {
                 ctx.take_unknown = take_unknown;
+                ctx.reconcile_first = reconcile;
                 return Ok(Found::Proceed);
             }
             Decision::WaitForeign(until) => wait_foreign(ctx, until, deadline).await?,
@@ -120,6 +126,7 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
     let Some(rec) = record else {
         return Ok(Decision::Proceed {
             take_unknown: false,
+            reconcile: false,
         });
     };
     let state = rec.effective_state(now_ms());
@@ -129,18 +136,27 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
     Ok(match state {
         KeyState::Released => Decision::Proceed {
             take_unknown: false,
+            reconcile: false,
         },
         KeyState::Completed => match &rec.response {
             Some(resp) => Decision::Replay(Arc::new(resp.clone())),
             None => Decision::Proceed {
                 take_unknown: false,
+                reconcile: false,
             },
         },
         KeyState::InFlight if ctx.route.in_flight == InFlight::Reject => return Err(in_progress()),
         KeyState::InFlight => Decision::WaitForeign(rec.lease_until),
         KeyState::Unknown if ctx.upstream.native_idempotency_header.is_some() => {
-            Decision::Proceed { take_unknown: true }
+            Decision::Proceed {
+                take_unknown: true,
+                reconcile: false,
+            }
         }
+        KeyState::Unknown if super::reconcile::on_retry(ctx, rec)? => Decision::Proceed {
+            take_unknown: true,
+            reconcile: true,
+        },
         KeyState::Unknown => return Err(ProxyError::new(
             ErrorKind::OutcomeUnknown,
             "an earlier attempt with this key reached the upstream but its outcome is unknown; \

@@ -20,7 +20,9 @@ mod lookup;
 pub mod observe;
 mod outcome;
 pub mod prepare;
+mod reconcile;
 mod reserve;
+mod side_read;
 mod store;
 
 pub use outcome::Outcome;
@@ -73,7 +75,10 @@ pub async fn run(
                 return Ok(Some(stored));
             }
             lock::step(&mut ctx).await?;
-            checks::step(&mut ctx).await?;
+            // A reconcile comes first: a write that did happen makes the checks moot.
+            if !ctx.reconcile_first {
+                checks::step(&mut ctx).await?;
+            }
             Ok(None)
         };
         match before_forward.await {
@@ -115,6 +120,11 @@ async fn reserve_forward_store(mut ctx: Ctx) -> Detached {
         Ok(false) => return Detached::Taken(Box::new(ctx)),
         Err(e) => return Detached::Finished(ctx.finish(Outcome::Refused(e))),
     }
+    if ctx.reconcile_first {
+        if let Some(outcome) = reconcile::before_retry(&mut ctx).await {
+            return Detached::Finished(ctx.finish(outcome));
+        }
+    }
     let called = forward::step(&mut ctx).await;
     let outcome = store::step(&mut ctx, called).await;
     Detached::Finished(ctx.finish(outcome))
@@ -146,8 +156,11 @@ pub struct Ctx {
     woken: Option<watch::Receiver<u64>>,
     /// Step 5, when another process had reserved the key: its record, for step 2 to decide.
     taken: Option<Box<KeyRecord>>,
-    /// Step 2: re-forward an unknown outcome (the upstream dedupes by our key).
+    /// Step 2: take over an unknown outcome (the upstream dedupes by our key, or a reconcile).
     take_unknown: bool,
+    /// Step 2: the key's outcome is unknown and the route reconciles: ask the real system
+    /// (after step 5) before the checks and the forward.
+    reconcile_first: bool,
     /// Step 3: local entity locks and cross-replica leases.
     entity_guards: Vec<LockGuard>,
     leases: Option<StoreLeases>,
@@ -182,6 +195,7 @@ impl Ctx {
             woken: None,
             taken: None,
             take_unknown: false,
+            reconcile_first: false,
             entity_guards: Vec::new(),
             leases: None,
             epoch: 0,

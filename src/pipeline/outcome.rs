@@ -10,6 +10,9 @@ use http_body_util::BodyExt;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// On an answer that is the reconcile read's (the write's own answer was lost).
+pub const RECONCILED_HEADER: &str = "idemproxy-reconciled";
+
 /// How a protected request ended.
 pub enum Outcome {
     /// A stored answer, replayed (audit decision `replayed`).
@@ -21,6 +24,9 @@ pub enum Outcome {
     NotSent(ProxyError),
     /// Sent, no complete answer: the outcome is unknown (`unknown`).
     Unknown(ProxyError),
+    /// Sent, no complete answer, but the reconcile read found the write: its answer, stored
+    /// (the forward's decision is still `unknown`; the reconcile has its own audit row).
+    Reconciled(Arc<StoredResponse>),
     /// Refused by the proxy before anything was sent (the error type).
     Refused(ProxyError),
 }
@@ -59,7 +65,7 @@ impl Outcome {
             Outcome::Replayed(_) => "replayed",
             Outcome::Answered { released: true, .. } => "released",
             Outcome::Answered { .. } => "forwarded",
-            Outcome::Unknown(_) => "unknown",
+            Outcome::Unknown(_) | Outcome::Reconciled(_) => "unknown",
             Outcome::NotSent(e) | Outcome::Refused(e) => e.kind.as_str(),
         }
     }
@@ -84,6 +90,7 @@ impl Ctx {
         let key = &self.p.key;
         let answer = match outcome {
             Outcome::Replayed(stored) => Ok(respond(&stored, key, true)),
+            Outcome::Reconciled(stored) => Ok(respond(&stored, key, false)),
             Outcome::Answered { answer, .. } => Ok(match answer {
                 Answer::Full(resp) if observe => unchanged(&resp),
                 Answer::Full(resp) => respond(&resp, key, false),
@@ -154,6 +161,28 @@ impl Ctx {
     }
 }
 
+impl Ctx {
+    /// An audit row of its own for a read the proxy sent on this request's behalf (a
+    /// reconcile), beside the request's row, so `keys show` tells the whole story.
+    pub(super) fn record_read(&self, decision: &str, status: Option<u16>, took: Duration) {
+        let ms = took.as_millis() as i64;
+        self.state.auditor.send(AuditRow {
+            at: now_ms(),
+            upstream: self.upstream.name.clone(),
+            route: self.route.name.clone(),
+            entities: self.p.entities.clone(),
+            key: Some(self.p.key.clone()),
+            fingerprint: Some(self.p.fingerprint.clone()),
+            decision: decision.to_owned(),
+            upstream_status: status,
+            total_ms: ms,
+            lock_wait_ms: 0,
+            upstream_ms: Some(ms),
+            expires_at: after_ms(self.route.retention),
+        });
+    }
+}
+
 /// The upstream's answer as it came (observe mode).
 fn unchanged(stored: &StoredResponse) -> Response<ProxyBody> {
     let mut resp = Response::new(full(stored.body.clone()));
@@ -187,5 +216,8 @@ pub(super) fn respond(stored: &StoredResponse, key: &str, replayed: bool) -> Res
         "idempotent-replayed",
         HeaderValue::from_static(if replayed { "true" } else { "false" }),
     );
+    if stored.reconciled() {
+        h.insert(RECONCILED_HEADER, HeaderValue::from_static("true"));
+    }
     resp
 }

@@ -3,9 +3,9 @@
 //! `idemproxy explain` runs the same code.
 
 use super::forward::Outgoing;
-use super::Ctx;
+use super::{side_read, Ctx};
 use crate::body::{self, BodyKind};
-use crate::config::{Route, Upstream};
+use crate::config::{Expected, Reconcile, Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::key;
 use crate::store::ScopedKey;
@@ -15,6 +15,7 @@ use bytes::Bytes;
 use http::{HeaderMap, Method, Request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
+use serde_json::Value;
 
 /// Most entities one request may lock.
 pub const MAX_ENTITIES: usize = 100;
@@ -42,6 +43,16 @@ pub struct Prepared {
     pub version: Option<i64>,
     /// The precheck's upstream path (and query), when the route has a precheck.
     pub precheck_path: Option<String>,
+    /// The reconcile read, when the route has one.
+    pub reconcile: Option<ReconcileRead>,
+}
+
+/// A request's reconcile read: the path, and the value each of the route's `expect` fields
+/// must hold (in the route's order).
+#[derive(Debug, Default)]
+pub struct ReconcileRead {
+    pub path: String,
+    pub expect: Vec<Value>,
 }
 
 /// What to do with a mutating request, decided before its body is read.
@@ -303,25 +314,12 @@ pub fn prepare(
     };
     let precheck_path = match &route.precheck {
         None => None,
-        Some(pc) => Some(pc.path.eval_url(&view).map_err(|field| {
-            ProxyError::new(
-                ErrorKind::EntityMissing,
-                format!("the precheck path needs {{{field}}}, which the request lacks"),
-            )
-            .with_key(&key)
-        })?),
+        Some(pc) => Some(side_read::eval_path(&pc.path, &view, "precheck", &key)?),
     };
-    // A body value of `..` must not walk the precheck to another resource.
-    if let Some(path) = &precheck_path {
-        let only_path = path.split('?').next().unwrap_or_default();
-        crate::route::check_path(only_path).map_err(|why| {
-            ProxyError::new(
-                ErrorKind::BadPath,
-                format!("the precheck path {path:?}: {why}"),
-            )
-            .with_key(&key)
-        })?;
-    }
+    let reconcile = match &route.reconcile {
+        None => None,
+        Some(rc) => Some(reconcile_read(rc, &view, &key)?),
+    };
     let id = ScopedKey {
         upstream: upstream.name.clone(),
         scope: scoper.scope(input.headers, &upstream.scope_headers),
@@ -346,5 +344,27 @@ pub fn prepare(
         entities,
         version,
         precheck_path,
+        reconcile,
     })
+}
+
+/// The reconcile read of this request: its path, and its expectations evaluated over the
+/// original request (so a retry, with the same fingerprint, asks the same question).
+fn reconcile_read(rc: &Reconcile, view: &RequestView<'_>, key: &str) -> ProxyResult<ReconcileRead> {
+    let path = side_read::eval_path(&rc.path, view, "reconcile", key)?;
+    let expect = rc
+        .expect
+        .iter()
+        .map(|(field, e)| match e {
+            Expected::Value(v) => Ok(v.clone()),
+            Expected::Template(t) => t.eval_one(view).map(Value::String).map_err(|missing| {
+                ProxyError::new(
+                    ErrorKind::EntityMissing,
+                    format!("reconcile.expect {field} needs {{{missing}}}, which the request lacks"),
+                )
+                .with_key(key)
+            }),
+        })
+        .collect::<ProxyResult<_>>()?;
+    Ok(ReconcileRead { path, expect })
 }

@@ -10,8 +10,23 @@ use std::sync::Arc;
 
 /// Step 7.
 pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
-    let outcome = outcome_of(ctx, called);
-    let finish = finish_of(ctx, &outcome);
+    let (outcome, finish) = match outcome_of(ctx, called) {
+        // The write may have happened: ask the real system, still holding the locks.
+        Outcome::Unknown(e) if super::reconcile::applies(ctx) => {
+            super::reconcile::after_unknown(ctx, e).await
+        }
+        outcome => {
+            let finish = finish_of(ctx, &outcome);
+            (outcome, finish)
+        }
+    };
+    record(ctx, finish).await;
+    outcome
+}
+
+/// Stores what became of the key (fenced by our epoch), then lets go of the entity locks and
+/// the key's slot.
+pub(super) async fn record(ctx: &mut Ctx, finish: Finish) {
     let (state, id) = (&ctx.state, &ctx.p.id);
     match state.store.finish(id, ctx.epoch, finish).await {
         Ok(true) => {}
@@ -25,7 +40,6 @@ pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
     }
     ctx.release_entities().await;
     ctx.slot = None;
-    outcome
 }
 
 /// What the forward's ending means for the request (nothing stored yet).
@@ -64,6 +78,7 @@ pub(super) fn outcome_of(ctx: &mut Ctx, called: Called) -> Outcome {
 fn finish_of(ctx: &Ctx, outcome: &Outcome) -> Finish {
     let keep_cookie = ctx.upstream.store_set_cookie;
     let stored = match outcome {
+        Outcome::Reconciled(stored) => stored.for_storage(keep_cookie),
         Outcome::Unknown(_) => return Finish::Unknown,
         // Nothing was sent (or a `release_statuses` answer): a retry may be forwarded.
         Outcome::Answered { released: true, .. }
@@ -88,6 +103,11 @@ fn finish_of(ctx: &Ctx, outcome: &Outcome) -> Finish {
             Arc::new(stored)
         }
     };
+    completed(ctx, stored)
+}
+
+/// A stored answer, kept for the route's retention, with its entity effects.
+pub(super) fn completed(ctx: &Ctx, stored: Arc<StoredResponse>) -> Finish {
     Finish::Completed {
         effects: effects(ctx, stored.status),
         response: stored,

@@ -84,7 +84,16 @@ pub struct StoredResponse {
 /// upstream can send (`:` is not allowed in header names), so it cannot be forged.
 pub const OMITTED_BODY: &str = ":omitted-body";
 
+/// Marks a stored answer that is a reconcile read's answer, not the write's own (see
+/// `pipeline::reconcile`); a name no upstream can send, like [`OMITTED_BODY`].
+pub const RECONCILED: &str = ":reconciled";
+
 impl StoredResponse {
+    /// Whether this is a reconcile read's answer, stored for a write whose own answer was lost.
+    pub fn reconciled(&self) -> bool {
+        self.headers.iter().any(|(n, _)| n == RECONCILED)
+    }
+
     /// Whether the body was too large to store: such an answer is never replayed.
     pub fn body_omitted(&self) -> bool {
         self.headers.iter().any(|(n, _)| n == OMITTED_BODY)

@@ -1,0 +1,152 @@
+//! The reads a route sends to the real system on its own: the precheck, right before a write,
+//! and the reconcile, when a write's answer was lost. Both are GET/HEAD reads with a path
+//! template over the original request and expectations on the answer's JSON body.
+
+use super::ctx::Ctx;
+use super::raw::*;
+use super::*;
+use crate::template::Source;
+use toml::Spanned;
+
+pub(super) type Check<'a> = dyn FnMut(&mut Ctx, &str, &Str, bool, bool) -> Option<Template> + 'a;
+
+pub(super) fn precheck(
+    cx: &mut Ctx,
+    name: &str,
+    sp: &Spanned<RawPrecheck>,
+    check: &mut Check,
+) -> Option<Precheck> {
+    let p = sp.get_ref();
+    let method = read_method(cx, name, "precheck", &p.method)?;
+    let path = check(cx, "precheck.path", &p.path, true, false)?;
+    let expect_status = statuses(cx, &p.expect_status, &[200]);
+    let mut expect = Vec::new();
+    for (field, value) in &p.expect {
+        let json = serde_json::to_value(value.get_ref()).ok();
+        if let (Some(path), Some(v)) = (body_field(cx, "precheck", field, value), json) {
+            expect.push((path, v));
+        }
+    }
+    Some(Precheck {
+        method,
+        path,
+        expect_status,
+        expect,
+    })
+}
+
+pub(super) fn reconcile(
+    cx: &mut Ctx,
+    name: &str,
+    sp: &Spanned<RawReconcile>,
+    check: &mut Check,
+) -> Option<Reconcile> {
+    let r = sp.get_ref();
+    let method = read_method(cx, name, "reconcile", &r.method)?;
+    let path = check(cx, "reconcile.path", &r.path, true, false)?;
+    let found = statuses(cx, &r.found, &[200]);
+    let not_found = statuses(cx, &r.not_found, &[404]);
+    if let Some(both) = found.iter().find(|s| not_found.contains(s)) {
+        cx.err(
+            sp.span(),
+            format!("route {name:?}: reconcile status {both} is in both found and not_found"),
+        );
+    }
+    let mut expect = Vec::new();
+    for (field, value) in &r.expect {
+        let Some(path) = body_field(cx, "reconcile", field, value) else {
+            continue;
+        };
+        let expected = match value.get_ref() {
+            // Text may name fields of the original request: `"{body.properties.firstname}"`.
+            toml::Value::String(s) => {
+                let text = Spanned::new(value.span(), s.clone());
+                check(cx, "reconcile.expect", &text, true, false).map(Expected::Template)
+            }
+            other => serde_json::to_value(other).ok().map(Expected::Value),
+        };
+        if let Some(e) = expected {
+            expect.push((path, e));
+        }
+    }
+    Some(Reconcile {
+        method,
+        path,
+        found,
+        not_found,
+        after: cx.dur(&r.after, Duration::from_secs(1)),
+        expect,
+    })
+}
+
+impl Reconcile {
+    /// Whether its path or expectations read the request body (which must then parse).
+    pub fn reads_body(&self) -> bool {
+        let body = |s: &Source| matches!(s, Source::Body(_));
+        self.path.uses(body)
+            || self.expect.iter().any(|(_, e)| match e {
+                Expected::Template(t) => t.uses(body),
+                Expected::Value(_) => false,
+            })
+    }
+}
+
+/// GET unless said otherwise; only safe methods: these reads must change nothing.
+fn read_method(cx: &mut Ctx, name: &str, what: &str, m: &Option<Str>) -> Option<Method> {
+    let Some(m) = m else {
+        return Some(Method::GET);
+    };
+    let s = cx.s(m)?.to_ascii_uppercase();
+    match Method::from_bytes(s.as_bytes()) {
+        Ok(m) if m.is_safe() => Some(m),
+        _ => {
+            cx.err(
+                m.span(),
+                format!("route {name:?}: {what} method must be GET or HEAD, not {s:?}"),
+            );
+            None
+        }
+    }
+}
+
+/// A list of HTTP statuses; `default` when absent or empty.
+fn statuses(cx: &mut Ctx, v: &Option<Vec<Spanned<i64>>>, default: &[u16]) -> Vec<u16> {
+    let given: Vec<u16> = v
+        .iter()
+        .flatten()
+        .filter_map(|s| match u16::try_from(*s.get_ref()) {
+            Ok(c) if (100..=599).contains(&c) => Some(c),
+            _ => {
+                cx.err(s.span(), format!("{} is not an HTTP status", s.get_ref()));
+                None
+            }
+        })
+        .collect();
+    if v.as_ref().is_none_or(|v| v.is_empty()) {
+        return default.to_vec();
+    }
+    given
+}
+
+/// An `expect` key: a `body.*` field.
+fn body_field(
+    cx: &mut Ctx,
+    what: &str,
+    field: &str,
+    value: &Spanned<toml::Value>,
+) -> Option<BodyPath> {
+    match field.strip_prefix("body.").map(BodyPath::parse) {
+        Some(Ok(path)) => Some(path),
+        Some(Err(e)) => {
+            cx.err(value.span(), e);
+            None
+        }
+        None => {
+            cx.err(
+                value.span(),
+                format!("{what}.expect {field:?}: keys must be body.* fields"),
+            );
+            None
+        }
+    }
+}

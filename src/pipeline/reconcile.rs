@@ -1,0 +1,159 @@
+//! Reconciling an unknown outcome with the real system (SPEC "Reconciling unknown outcomes").
+//!
+//! A write that was sent but got no answer may or may not have happened. A route with
+//! `reconcile` asks: still holding the entity locks (so nothing else writes the entity
+//! meanwhile), it waits `after`, sends the reconcile read with the caller's credentials, and
+//! acts on the answer — `found`: the key is completed with that answer, marked reconciled;
+//! `not_found`: the key is released (the write did not happen); anything else: the key stays
+//! unknown. This runs right after the forward lost its answer ([`after_unknown`]) and when a
+//! retry meets an unknown key ([`before_retry`]), at most once per `after` for one key.
+
+use super::forward::renewing;
+use super::outcome::Outcome;
+use super::prepare::ReconcileRead;
+use super::{checks, side_read, store, Ctx};
+use crate::config::{Mode, Reconcile};
+use crate::error::{ErrorKind, ProxyError};
+use crate::store::{now_ms, Finish, KeyRecord, KeyState, StoredResponse, RECONCILED};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// What the reconcile read said.
+enum Verdict {
+    /// The write happened: the read's answer, marked reconciled.
+    Found(Arc<StoredResponse>),
+    /// It did not.
+    NotFound,
+    /// Cannot tell (another status, no answer): why.
+    Failed(String),
+}
+
+impl Verdict {
+    fn result(&self) -> &'static str {
+        match self {
+            Verdict::Found(_) => "found",
+            Verdict::NotFound => "not_found",
+            Verdict::Failed(_) => "failed",
+        }
+    }
+}
+
+/// Whether an unknown outcome of this request is reconciled (enforce mode only: observe mode
+/// never delays a request).
+pub(super) fn applies(ctx: &Ctx) -> bool {
+    ctx.route.mode == Mode::Enforce && ctx.route.reconcile.is_some() && ctx.p.reconcile.is_some()
+}
+
+/// Whether a retry that meets this record reconciles it first: an unknown outcome (or an
+/// abandoned in-flight record) on a route with `reconcile`, when the upstream cannot dedupe a
+/// re-forward itself. `Err` when the last reconcile of the key was less than `after` ago.
+pub(super) fn on_retry(ctx: &Ctx, rec: &KeyRecord) -> Result<bool, ProxyError> {
+    let (Some(rc), true) = (&ctx.route.reconcile, applies(ctx)) else {
+        return Ok(false);
+    };
+    if ctx.upstream.native_idempotency_header.is_some() {
+        return Ok(false);
+    }
+    let next = rec.updated_at.saturating_add(rc.after.as_millis() as i64);
+    let wait = next.saturating_sub(now_ms());
+    if rec.state == KeyState::Unknown && wait > 0 {
+        return Err(unknown("the last reconcile read could not tell either; it is tried again at most once per `after`")
+            .retry_after(Duration::from_millis(wait as u64)));
+    }
+    Ok(true)
+}
+
+/// Right after a forward lost its answer: what the request gets and what the key becomes.
+pub(super) async fn after_unknown(ctx: &mut Ctx, lost: ProxyError) -> (Outcome, Finish) {
+    match ask(ctx).await {
+        Verdict::Found(stored) => {
+            let finish = store::completed(ctx, stored.clone());
+            (Outcome::Reconciled(stored), finish)
+        }
+        Verdict::NotFound => {
+            let e = lost.also("the reconcile read says the write did not happen: a retry is forwarded again");
+            (Outcome::Unknown(e), Finish::Released)
+        }
+        Verdict::Failed(why) => {
+            let e = lost.also(&format!("the reconcile read could not tell ({why}): the outcome stays unknown"));
+            (Outcome::Unknown(e), Finish::Unknown)
+        }
+    }
+}
+
+/// A retry that met an unknown key and took it over (step 5, with `take_unknown`): `None`
+/// when the write did not happen and this request goes on to be forwarded (after the checks
+/// it skipped, which a found write would have made moot), else how the request ends.
+pub(super) async fn before_retry(ctx: &mut Ctx) -> Option<Outcome> {
+    let (outcome, finish) = match ask(ctx).await {
+        Verdict::Found(stored) => {
+            let finish = store::completed(ctx, stored.clone());
+            (Outcome::Replayed(stored), finish)
+        }
+        Verdict::NotFound => match checks::step(ctx).await {
+            Ok(()) => return None,
+            Err(e) => (Outcome::Refused(e), Finish::Released),
+        },
+        Verdict::Failed(why) => {
+            let e = unknown(&format!("the reconcile read could not tell whether the earlier attempt happened ({why})"));
+            (Outcome::Refused(e), Finish::Unknown)
+        }
+    };
+    store::record(ctx, finish).await;
+    Some(outcome)
+}
+
+/// Waits `after`, sends the read, judges the answer; audited and counted.
+async fn ask(ctx: &Ctx) -> Verdict {
+    let (Some(rc), Some(read)) = (&ctx.route.reconcile, &ctx.p.reconcile) else {
+        return Verdict::Failed("the route has no reconcile".into());
+    };
+    let started = Instant::now();
+    let work = async {
+        tokio::time::sleep(rc.after).await;
+        let method = &rc.method;
+        side_read::read(&ctx.client, method, &read.path, &ctx.outgoing.headers, "reconcile").await
+    };
+    let answer = renewing(ctx, work).await;
+    let status = answer.as_ref().ok().map(|a| a.status);
+    let verdict = match answer {
+        Ok(answer) => judge(rc, read, answer),
+        Err(e) => Verdict::Failed(e.message),
+    };
+    let took = started.elapsed().saturating_sub(rc.after);
+    ctx.state.stats.on_reconcile(&ctx.route.name, verdict.result());
+    let decision = match verdict {
+        Verdict::Found(_) => "reconciled_found",
+        Verdict::NotFound => "reconciled_not_found",
+        Verdict::Failed(_) => "reconcile_failed",
+    };
+    ctx.record_read(decision, status, took);
+    tracing::info!(key = %ctx.p.id.key, route = %ctx.route.name, path = %read.path, ?status, result = verdict.result(), "reconciled an unknown outcome");
+    verdict
+}
+
+/// SPEC's table: a `found` status whose expectations do not all hold counts as `not_found`.
+fn judge(rc: &Reconcile, read: &ReconcileRead, mut answer: StoredResponse) -> Verdict {
+    if rc.found.contains(&answer.status) {
+        let fields = rc.expect.iter().map(|(f, _)| f);
+        if !side_read::holds(&answer.body, fields.zip(read.expect.iter())).0 {
+            return Verdict::NotFound;
+        }
+        answer
+            .headers
+            .push((RECONCILED.into(), bytes::Bytes::from_static(b"1")));
+        return Verdict::Found(Arc::new(answer));
+    }
+    if rc.not_found.contains(&answer.status) {
+        return Verdict::NotFound;
+    }
+    Verdict::Failed(format!("it was answered {}", answer.status))
+}
+
+fn unknown(why: &str) -> ProxyError {
+    ProxyError::new(
+        ErrorKind::OutcomeUnknown,
+        format!("an earlier attempt with this key reached the upstream but its outcome is unknown: {why}; check the upstream, then resolve it with `idemproxy keys release KEY`"),
+    )
+}
