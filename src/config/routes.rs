@@ -2,8 +2,8 @@
 //! route can provide, key rule, fingerprint rule, ordered-persistence fields, precheck.
 
 use super::ctx::Ctx;
-use super::side_reads::{precheck, reconcile};
 use super::raw::*;
+use super::side_reads::{precheck, reconcile};
 use super::*;
 use crate::template::Source;
 use std::collections::BTreeMap;

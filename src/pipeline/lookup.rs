@@ -22,10 +22,10 @@ pub(super) enum Found {
 /// What a stored record means for this request.
 enum Decision {
     /// `take_unknown`: take over an unknown outcome, to re-forward it (only when the upstream
-    /// dedupes by our key) or, with `reconcile`, to ask the real system first.
+    /// dedupes by our key) or, with `reconcile`, to ask the real system first (after this wait).
     Proceed {
         take_unknown: bool,
-        reconcile: bool,
+        reconcile: Option<Duration>,
     },
     Replay(Arc<StoredResponse>),
     /// Another process owns the key until this time (ms); wait for it.
@@ -126,7 +126,7 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
     let Some(rec) = record else {
         return Ok(Decision::Proceed {
             take_unknown: false,
-            reconcile: false,
+            reconcile: None,
         });
     };
     let state = rec.effective_state(now_ms());
@@ -136,13 +136,13 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
     Ok(match state {
         KeyState::Released => Decision::Proceed {
             take_unknown: false,
-            reconcile: false,
+            reconcile: None,
         },
         KeyState::Completed => match &rec.response {
             Some(resp) => Decision::Replay(Arc::new(resp.clone())),
             None => Decision::Proceed {
                 take_unknown: false,
-                reconcile: false,
+                reconcile: None,
             },
         },
         KeyState::InFlight if ctx.route.in_flight == InFlight::Reject => return Err(in_progress()),
@@ -150,13 +150,15 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
         KeyState::Unknown if ctx.upstream.native_idempotency_header.is_some() => {
             Decision::Proceed {
                 take_unknown: true,
-                reconcile: false,
+                reconcile: None,
             }
         }
-        KeyState::Unknown if super::reconcile::on_retry(ctx, rec)? => Decision::Proceed {
-            take_unknown: true,
-            reconcile: true,
-        },
+        KeyState::Unknown if let Some(wait) = super::reconcile::on_retry(ctx, rec)? => {
+            Decision::Proceed {
+                take_unknown: true,
+                reconcile: Some(wait),
+            }
+        }
         KeyState::Unknown => return Err(ProxyError::new(
             ErrorKind::OutcomeUnknown,
             "an earlier attempt with this key reached the upstream but its outcome is unknown; \

@@ -76,7 +76,7 @@ pub async fn run(
             }
             lock::step(&mut ctx).await?;
             // A reconcile comes first: a write that did happen makes the checks moot.
-            if !ctx.reconcile_first {
+            if ctx.reconcile_first.is_none() {
                 checks::step(&mut ctx).await?;
             }
             Ok(None)
@@ -120,8 +120,8 @@ async fn reserve_forward_store(mut ctx: Ctx) -> Detached {
         Ok(false) => return Detached::Taken(Box::new(ctx)),
         Err(e) => return Detached::Finished(ctx.finish(Outcome::Refused(e))),
     }
-    if ctx.reconcile_first {
-        if let Some(outcome) = reconcile::before_retry(&mut ctx).await {
+    if let Some(wait) = ctx.reconcile_first {
+        if let Some(outcome) = reconcile::before_retry(&mut ctx, wait).await {
             return Detached::Finished(ctx.finish(outcome));
         }
     }
@@ -159,8 +159,8 @@ pub struct Ctx {
     /// Step 2: take over an unknown outcome (the upstream dedupes by our key, or a reconcile).
     take_unknown: bool,
     /// Step 2: the key's outcome is unknown and the route reconciles: ask the real system
-    /// (after step 5) before the checks and the forward.
-    reconcile_first: bool,
+    /// (after step 5, and after this wait) before the checks and the forward.
+    reconcile_first: Option<Duration>,
     /// Step 3: local entity locks and cross-replica leases.
     entity_guards: Vec<LockGuard>,
     leases: Option<StoreLeases>,
@@ -195,7 +195,7 @@ impl Ctx {
             woken: None,
             taken: None,
             take_unknown: false,
-            reconcile_first: false,
+            reconcile_first: None,
             entity_guards: Vec::new(),
             leases: None,
             epoch: 0,

@@ -360,7 +360,9 @@ fn reconcile_read(rc: &Reconcile, view: &RequestView<'_>, key: &str) -> ProxyRes
             Expected::Template(t) => t.eval_one(view).map(Value::String).map_err(|missing| {
                 ProxyError::new(
                     ErrorKind::EntityMissing,
-                    format!("reconcile.expect {field} needs {{{missing}}}, which the request lacks"),
+                    format!(
+                        "reconcile.expect {field} needs {{{missing}}}, which the request lacks"
+                    ),
                 )
                 .with_key(key)
             }),

@@ -45,38 +45,72 @@ pub(super) fn applies(ctx: &Ctx) -> bool {
     ctx.route.mode == Mode::Enforce && ctx.route.reconcile.is_some() && ctx.p.reconcile.is_some()
 }
 
-/// Whether a retry that meets this record reconciles it first: an unknown outcome (or an
+/// Whether a retry that meets this record reconciles it first — an unknown outcome (or an
 /// abandoned in-flight record) on a route with `reconcile`, when the upstream cannot dedupe a
-/// re-forward itself. `Err` when the last reconcile of the key was less than `after` ago.
-pub(super) fn on_retry(ctx: &Ctx, rec: &KeyRecord) -> Result<bool, ProxyError> {
+/// re-forward itself — and how long to wait before the read. `Err` when the key changed less
+/// than `after` ago (its last reconcile could not tell): at most one read per `after`.
+pub(super) fn on_retry(ctx: &Ctx, rec: &KeyRecord) -> Result<Option<Duration>, ProxyError> {
     let (Some(rc), true) = (&ctx.route.reconcile, applies(ctx)) else {
-        return Ok(false);
+        return Ok(None);
     };
     if ctx.upstream.native_idempotency_header.is_some() {
-        return Ok(false);
+        return Ok(None);
     }
-    let next = rec.updated_at.saturating_add(rc.after.as_millis() as i64);
-    let wait = next.saturating_sub(now_ms());
-    if rec.state == KeyState::Unknown && wait > 0 {
-        return Err(unknown("the last reconcile read could not tell either; it is tried again at most once per `after`")
-            .retry_after(Duration::from_millis(wait as u64)));
+    match due(rec, rc.after, now_ms()) {
+        Due::Wait(wait) => Ok(Some(wait)),
+        Due::TooSoon(left) => Err(unknown(
+            "the last reconcile read of this key could not tell either; it is asked again at most once per `after`",
+        )
+        .retry_after(left)),
     }
-    Ok(true)
+}
+
+/// When a retry's reconcile read may go.
+#[derive(Debug, PartialEq)]
+enum Due {
+    /// After this wait (zero: now).
+    Wait(Duration),
+    /// Not yet: the key changed (a reconcile failed) less than `after` ago.
+    TooSoon(Duration),
+}
+
+/// An unknown record waits `after` from its last change (the forward's end, or the last
+/// reconcile that could not tell); an abandoned in-flight record, `after` from the end of its
+/// dead owner's lease, waited out by the retry itself (its owner's call may still be landing).
+fn due(rec: &KeyRecord, after: Duration, now: i64) -> Due {
+    let after = after.as_millis() as i64;
+    let left = |from: i64| {
+        Duration::from_millis(from.saturating_add(after).saturating_sub(now).max(0) as u64)
+    };
+    match rec.state {
+        KeyState::Unknown if !left(rec.updated_at).is_zero() => Due::TooSoon(left(rec.updated_at)),
+        KeyState::InFlight => Due::Wait(left(rec.lease_until)),
+        _ => Due::Wait(Duration::ZERO),
+    }
 }
 
 /// Right after a forward lost its answer: what the request gets and what the key becomes.
 pub(super) async fn after_unknown(ctx: &mut Ctx, lost: ProxyError) -> (Outcome, Finish) {
-    match ask(ctx).await {
+    let after = ctx
+        .route
+        .reconcile
+        .as_ref()
+        .map_or(Duration::ZERO, |rc| rc.after);
+    match ask(ctx, after).await {
         Verdict::Found(stored) => {
             let finish = store::completed(ctx, stored.clone());
             (Outcome::Reconciled(stored), finish)
         }
         Verdict::NotFound => {
-            let e = lost.also("the reconcile read says the write did not happen: a retry is forwarded again");
+            let e = lost.also(
+                "the reconcile read says the write did not happen: a retry is forwarded again",
+            );
             (Outcome::Unknown(e), Finish::Released)
         }
         Verdict::Failed(why) => {
-            let e = lost.also(&format!("the reconcile read could not tell ({why}): the outcome stays unknown"));
+            let e = lost.also(&format!(
+                "the reconcile read could not tell ({why}): the outcome stays unknown"
+            ));
             (Outcome::Unknown(e), Finish::Unknown)
         }
     }
@@ -85,8 +119,8 @@ pub(super) async fn after_unknown(ctx: &mut Ctx, lost: ProxyError) -> (Outcome, 
 /// A retry that met an unknown key and took it over (step 5, with `take_unknown`): `None`
 /// when the write did not happen and this request goes on to be forwarded (after the checks
 /// it skipped, which a found write would have made moot), else how the request ends.
-pub(super) async fn before_retry(ctx: &mut Ctx) -> Option<Outcome> {
-    let (outcome, finish) = match ask(ctx).await {
+pub(super) async fn before_retry(ctx: &mut Ctx, wait: Duration) -> Option<Outcome> {
+    let (outcome, finish) = match ask(ctx, wait).await {
         Verdict::Found(stored) => {
             let finish = store::completed(ctx, stored.clone());
             (Outcome::Replayed(stored), finish)
@@ -96,7 +130,9 @@ pub(super) async fn before_retry(ctx: &mut Ctx) -> Option<Outcome> {
             Err(e) => (Outcome::Refused(e), Finish::Released),
         },
         Verdict::Failed(why) => {
-            let e = unknown(&format!("the reconcile read could not tell whether the earlier attempt happened ({why})"));
+            let e = unknown(&format!(
+                "the reconcile read could not tell whether the earlier attempt happened ({why})"
+            ));
             (Outcome::Refused(e), Finish::Unknown)
         }
     };
@@ -104,16 +140,23 @@ pub(super) async fn before_retry(ctx: &mut Ctx) -> Option<Outcome> {
     Some(outcome)
 }
 
-/// Waits `after`, sends the read, judges the answer; audited and counted.
-async fn ask(ctx: &Ctx) -> Verdict {
+/// Waits, sends the read, judges the answer; audited and counted.
+async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
     let (Some(rc), Some(read)) = (&ctx.route.reconcile, &ctx.p.reconcile) else {
         return Verdict::Failed("the route has no reconcile".into());
     };
     let started = Instant::now();
     let work = async {
-        tokio::time::sleep(rc.after).await;
+        tokio::time::sleep(wait).await;
         let method = &rc.method;
-        side_read::read(&ctx.client, method, &read.path, &ctx.outgoing.headers, "reconcile").await
+        side_read::read(
+            &ctx.client,
+            method,
+            &read.path,
+            &ctx.outgoing.headers,
+            "reconcile",
+        )
+        .await
     };
     let answer = renewing(ctx, work).await;
     let status = answer.as_ref().ok().map(|a| a.status);
@@ -121,8 +164,10 @@ async fn ask(ctx: &Ctx) -> Verdict {
         Ok(answer) => judge(rc, read, answer),
         Err(e) => Verdict::Failed(e.message),
     };
-    let took = started.elapsed().saturating_sub(rc.after);
-    ctx.state.stats.on_reconcile(&ctx.route.name, verdict.result());
+    let took = started.elapsed().saturating_sub(wait);
+    ctx.state
+        .stats
+        .on_reconcile(&ctx.route.name, verdict.result());
     let decision = match verdict {
         Verdict::Found(_) => "reconciled_found",
         Verdict::NotFound => "reconciled_not_found",
@@ -156,4 +201,52 @@ fn unknown(why: &str) -> ProxyError {
         ErrorKind::OutcomeUnknown,
         format!("an earlier attempt with this key reached the upstream but its outcome is unknown: {why}; check the upstream, then resolve it with `idemproxy keys release KEY`"),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(state: KeyState, updated_at: i64, lease_until: i64) -> KeyRecord {
+        KeyRecord {
+            id: Default::default(),
+            fingerprint: String::new(),
+            route: String::new(),
+            entities: Vec::new(),
+            state,
+            owner: None,
+            lease_until,
+            epoch: 1,
+            attempts: 1,
+            response: None,
+            created_at: 0,
+            updated_at,
+            expires_at: None,
+        }
+    }
+
+    #[test]
+    fn a_retry_reads_at_most_once_per_after() {
+        let after = Duration::from_secs(2);
+        // Unknown for 5 s: read now.
+        let old = record(KeyState::Unknown, 1_000, 0);
+        assert_eq!(due(&old, after, 6_000), Due::Wait(Duration::ZERO));
+        // A reconcile failed 500 ms ago: refused, retry in 1.5 s.
+        let fresh = record(KeyState::Unknown, 5_500, 0);
+        assert_eq!(
+            due(&fresh, after, 6_000),
+            Due::TooSoon(Duration::from_millis(1_500))
+        );
+        // An owner died; its lease ran out 500 ms ago: wait the rest of `after`, then read.
+        let abandoned = record(KeyState::InFlight, 0, 5_500);
+        assert_eq!(
+            due(&abandoned, after, 6_000),
+            Due::Wait(Duration::from_millis(1_500))
+        );
+        // `after = 0`: every retry reads.
+        assert_eq!(
+            due(&fresh, Duration::ZERO, 6_000),
+            Due::Wait(Duration::ZERO)
+        );
+    }
 }

@@ -28,7 +28,11 @@ pub(super) fn eval_path(
     })?;
     let only_path = path.split('?').next().unwrap_or_default();
     crate::route::check_path(only_path).map_err(|why| {
-        ProxyError::new(ErrorKind::BadPath, format!("the {what} path {path:?}: {why}")).with_key(key)
+        ProxyError::new(
+            ErrorKind::BadPath,
+            format!("the {what} path {path:?}: {why}"),
+        )
+        .with_key(key)
     })?;
     Ok(path)
 }
