@@ -120,6 +120,15 @@ impl Template {
         self.sources().any(pred)
     }
 
+    /// The body field this template is, when it is that one field and nothing else
+    /// (`{body.properties}`): a reconcile expectation then takes its JSON value, objects too.
+    pub fn only_body_field(&self) -> Option<&crate::body::BodyPath> {
+        match self.parts.as_slice() {
+            [Part::Var(Source::Body(p))] => Some(p),
+            _ => None,
+        }
+    }
+
     /// All values of the template (the product of multi-valued variables), or the name of the
     /// first missing field.
     pub fn eval(&self, view: &RequestView<'_>) -> Result<Vec<String>, String> {

@@ -627,3 +627,46 @@ fn check_and_explain_show_each_routes_mode() {
     let printed = stdout(&idemproxy(&["check", "--config", &cfg]));
     assert!(printed.contains("mode=enforce"), "{printed}");
 }
+
+#[test]
+fn explain_shows_the_reconcile_read_and_check_lists_it() {
+    let shipped = path_str(&Path::new(env!("CARGO_MANIFEST_DIR")).join("proxy.toml"));
+    let out = idemproxy(&[
+        "explain",
+        "--config",
+        &shipped,
+        "POST",
+        "/hubspot/crm/v3/objects/contacts",
+        "--body",
+        r#"{"properties":{"email":"ada@example.com","firstname":"Ada"}}"#,
+    ]);
+    assert_exit(&out, 0);
+    let line = explain_field(&stdout(&out), "reconcile");
+    assert!(
+        line.contains("GET /crm/v3/objects/contacts/ada%40example.com?idProperty=email"),
+        "{line}"
+    );
+    assert!(line.contains("found [200], not_found [404]"), "{line}");
+    let out = idemproxy(&[
+        "explain",
+        "--config",
+        &shipped,
+        "PATCH",
+        "/hubspot/crm/v3/objects/contacts/42",
+        "-H",
+        "X-Workflow-Id: wf-1",
+        "--body",
+        r#"{"properties":{"firstname":"Ada"}}"#,
+    ]);
+    assert_exit(&out, 0);
+    let line = explain_field(&stdout(&out), "reconcile");
+    assert!(line.contains("GET /crm/v3/objects/contacts/42"), "{line}");
+    assert!(
+        line.contains(r#"body.properties = {"firstname":"Ada"}"#),
+        "{line}"
+    );
+    let out = idemproxy(&["check", "--config", &shipped]);
+    assert!(stdout(&out).contains(
+        "reconcile=GET /crm/v3/objects/contacts/{body.properties.email}?idProperty=email"
+    ));
+}

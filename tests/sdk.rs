@@ -321,8 +321,9 @@ async fn stripe_node_through_the_shipped_config() {
     assert_eq!(created(&state), 3, "the reused key was never forwarded");
 }
 
-/// A fake HubSpot: contacts created, updated (held when `X-Test-Hold` is sent), searched and
-/// batch-read from the current state.
+/// A fake HubSpot: contacts created, updated (held when `X-Test-Hold` is sent), read by id or
+/// by email, searched and batch-read from the current state. A create of `lost@example.com`,
+/// and an update sent with `X-Test-Lose`, are applied and then their answer is lost.
 async fn fake_hubspot() -> RecordingUpstream {
     let contacts: Arc<Mutex<HashMap<String, Value>>> = Arc::default();
     RecordingUpstream::builder()
@@ -334,11 +335,25 @@ async fn fake_hubspot() -> RecordingUpstream {
             };
             let body: Value = serde_json::from_slice(&rec.body).unwrap_or(Value::Null);
             let path = rec.path().to_owned();
+            let lost = |reply: Reply, lose: bool| if lose { Reply::drop_connection() } else { reply };
             match (rec.method.as_str(), path.as_str()) {
                 ("POST", "/crm/v3/objects/contacts") => {
                     let id = (c.len() + 100).to_string();
                     c.insert(id.clone(), body["properties"].clone());
-                    Reply::json(201, &object(&id, &body["properties"]))
+                    let lose = body["properties"]["email"] == "lost@example.com";
+                    lost(Reply::json(201, &object(&id, &body["properties"])), lose)
+                }
+                ("GET", p) if p.starts_with("/crm/v3/objects/contacts/") => {
+                    let wanted = p.trim_start_matches("/crm/v3/objects/contacts/").replace("%40", "@");
+                    let by_email = rec.query() == Some("idProperty=email");
+                    let found = c.iter().find(|(id, props)| match by_email {
+                        true => props["email"] == wanted.as_str(),
+                        false => **id == wanted,
+                    });
+                    match found {
+                        Some((id, props)) => Reply::json(200, &object(id, props)),
+                        None => Reply::json(404, &json!({"status": "error", "message": "Object not found", "category": "OBJECT_NOT_FOUND"})),
+                    }
                 }
                 ("POST", "/crm/v3/objects/contacts/search") => {
                     let results: Vec<Value> = c.iter().map(|(id, p)| object(id, p)).collect();
@@ -353,9 +368,13 @@ async fn fake_hubspot() -> RecordingUpstream {
                 }
                 ("PATCH", p) if p.starts_with("/crm/v3/objects/contacts/") => {
                     let id = p.trim_start_matches("/crm/v3/objects/contacts/").to_owned();
-                    c.insert(id.clone(), body["properties"].clone());
-                    let reply = Reply::json(200, &object(&id, &body["properties"]));
-                    if rec.header("x-test-hold").is_some() { reply.held() } else { reply }
+                    let props = c.entry(id.clone()).or_insert_with(|| json!({}));
+                    for (k, v) in body["properties"].as_object().into_iter().flatten() {
+                        props[k] = v.clone();
+                    }
+                    let reply = Reply::json(200, &object(&id, props));
+                    let reply = if rec.header("x-test-hold").is_some() { reply.held() } else { reply };
+                    lost(reply, rec.header("x-test-lose").is_some())
                 }
                 _ => Reply::json(404, &json!({"status": "error", "message": "no such path", "category": "OBJECT_NOT_FOUND"})),
             }
@@ -407,6 +426,19 @@ async fn hubspot_node_client_through_the_shipped_config() {
     let out = runner.await.expect("the script ran");
     assert_eq!(out["names"], json!(["n0", "n1", "n2", "n3"]));
     assert_eq!(api.max_concurrent("/crm/v3/objects/contacts/7"), 1);
+
+    // HubSpot's answers are lost after it applied a create and an update: the shipped routes
+    // read the contact back (by email, by id with the properties the update set) and the
+    // client gets the contact, not an error; each write reached HubSpot once.
+    let (posts, patches) = (api.count_method("POST"), api.count_method("PATCH"));
+    let out = js("lost_answers").await;
+    assert_eq!(out["created"]["email"], "lost@example.com", "{out}");
+    assert_eq!(out["created"]["reconciled"], "true", "{out}");
+    assert_eq!(out["updated"]["firstname"], "Lou", "{out}");
+    assert_eq!(out["updated"]["reconciled"], "true", "{out}");
+    assert_eq!(out["retried"]["replayed"], "true", "{out}");
+    assert_eq!(api.count_method("POST"), posts + 1, "one create: {out}");
+    assert_eq!(api.count_method("PATCH"), patches + 1, "one update: {out}");
 
     // A proxy error is the client's ApiException, in HubSpot's shape, with the proxy's type.
     let before = api.count();

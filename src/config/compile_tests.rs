@@ -162,3 +162,67 @@ fn upstream_listen_collides_only_on_a_fixed_port() {
     let ephemeral = "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[upstreams.a]\nurl = \"http://x\"\nlisten = \"127.0.0.1:0\"\n";
     assert!(compile_str(ephemeral).is_ok());
 }
+
+#[test]
+fn reconcile_compiles_with_defaults_and_templates() {
+    let cfg = compile_str(&with_route(
+        r#"name = "r"
+upstream = "api"
+methods = ["POST"]
+path = "/contacts"
+entity = "email:{body.email}"
+reconcile = { path = "/contacts/{body.email}?idProperty=email", expect = { "body.properties" = "{body.properties}", "body.n" = 5 } }"#,
+    ))
+    .unwrap();
+    let r = &cfg.routes[0];
+    let rc = r.reconcile.as_ref().unwrap();
+    assert_eq!(
+        (rc.found.clone(), rc.not_found.clone()),
+        (vec![200], vec![404])
+    );
+    assert_eq!(rc.method, Method::GET);
+    assert_eq!(rc.after, Duration::from_secs(1));
+    assert!(r.needs_body);
+    // In field order: `body.n` (a value as written), `body.properties` (a template).
+    assert!(matches!(rc.expect[0].1, Expected::Value(_)));
+    assert!(matches!(rc.expect[1].1, Expected::Template(_)));
+}
+
+#[test]
+fn reconcile_mistakes_are_located() {
+    let route = |rc: &str| {
+        with_route(&format!(
+            "name = \"r\"\nupstream = \"api\"\nmethods = [\"POST\"]\npath = \"/c/{{id}}\"\nreconcile = {rc}"
+        ))
+    };
+    let cases = [
+        (
+            r#"{ path = "/c/{path.id}", found = [200], not_found = [200] }"#,
+            "both found and not_found",
+        ),
+        (
+            r#"{ method = "POST", path = "/c/{path.id}" }"#,
+            "must be GET or HEAD",
+        ),
+        (r#"{ path = "/c/{path.other}" }"#, "does not capture"),
+        (
+            r#"{ path = "/c/{path.id}", answer_status = 404 }"#,
+            "not a 2xx",
+        ),
+        (
+            r#"{ path = "/c/{path.id}", expect = { "status" = "x" } }"#,
+            "body.* fields",
+        ),
+        (r#"{ path = "/c/{path.id}", after = "soon" }"#, "soon"),
+        (r#"{ path = "/c/{path.id}", bogus = 1 }"#, "bogus"),
+    ];
+    for (rc, want) in cases {
+        let e = first_error(&route(rc));
+        assert!(e.starts_with("t.toml:"), "{e}");
+        assert!(e.contains(want), "{rc}: {e}");
+    }
+    let e = first_error(&with_route(
+        "name = \"r\"\nupstream = \"api\"\nmethods = [\"POST\"]\npath = \"/s\"\nread_only = true\nreconcile = { path = \"/s\" }",
+    ));
+    assert!(e.contains("reconcile"), "{e}");
+}

@@ -188,6 +188,9 @@ pub struct Reconcile {
     pub path: Template,
     pub found: Vec<u16>,
     pub not_found: Vec<u16>,
+    /// The status a found write is answered (and replayed) with, when not the read's own: a
+    /// create's client may accept only `201` (@hubspot/api-client does).
+    pub answer_status: Option<u16>,
     /// How long to wait before the read (and the least time between two reads of one key).
     pub after: Duration,
     /// Body fields a `found` answer must hold, else it counts as `not_found`.

@@ -129,6 +129,7 @@ pub struct RawReconcile {
     pub path: Str,
     pub found: Option<Vec<Spanned<i64>>>,
     pub not_found: Option<Vec<Spanned<i64>>>,
+    pub answer_status: Option<Spanned<i64>>,
     pub after: Option<Str>,
     #[serde(default)]
     pub expect: BTreeMap<String, Spanned<toml::Value>>,

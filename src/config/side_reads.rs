@@ -52,6 +52,21 @@ pub(super) fn reconcile(
             format!("route {name:?}: reconcile status {both} is in both found and not_found"),
         );
     }
+    let answer_status = r.answer_status.as_ref().and_then(|s| {
+        let ok = u16::try_from(*s.get_ref())
+            .ok()
+            .filter(|c| (200..300).contains(c));
+        if ok.is_none() {
+            cx.err(
+                s.span(),
+                format!(
+                    "reconcile.answer_status {} is not a 2xx status",
+                    s.get_ref()
+                ),
+            );
+        }
+        ok
+    });
     let mut expect = Vec::new();
     for (field, value) in &r.expect {
         let Some(path) = body_field(cx, "reconcile", field, value) else {
@@ -74,6 +89,7 @@ pub(super) fn reconcile(
         path,
         found,
         not_found,
+        answer_status,
         after: cx.dur(&r.after, Duration::from_secs(1)),
         expect,
     })

@@ -357,6 +357,25 @@ fn reconcile_read(rc: &Reconcile, view: &RequestView<'_>, key: &str) -> ProxyRes
         .iter()
         .map(|(field, e)| match e {
             Expected::Value(v) => Ok(v.clone()),
+            // One body field: its JSON value as the request sent it (an object: every field
+            // in it must hold).
+            Expected::Template(t) if t.only_body_field().is_some() => t
+                .only_body_field()
+                .and_then(|p| {
+                    view.body
+                        .and_then(|b| p.values(b).into_iter().next().cloned())
+                })
+                .filter(|v| !v.is_null())
+                .ok_or_else(|| {
+                    ProxyError::new(
+                        ErrorKind::EntityMissing,
+                        format!(
+                            "reconcile.expect {field} needs {}, which the request lacks",
+                            t.text()
+                        ),
+                    )
+                    .with_key(key)
+                }),
             Expected::Template(t) => t.eval_one(view).map(Value::String).map_err(|missing| {
                 ProxyError::new(
                     ErrorKind::EntityMissing,

@@ -185,6 +185,7 @@ fn judge(rc: &Reconcile, read: &ReconcileRead, mut answer: StoredResponse) -> Ve
         if !side_read::holds(&answer.body, fields.zip(read.expect.iter())).0 {
             return Verdict::NotFound;
         }
+        answer.status = rc.answer_status.unwrap_or(answer.status);
         answer
             .headers
             .push((RECONCILED.into(), bytes::Bytes::from_static(b"1")));

@@ -103,8 +103,18 @@ pub(super) fn holds<'a>(
     (ok, seen)
 }
 
-/// Equal as JSON, or equal as text (`"5"` from a form-minded API matches `5`).
+/// Equal as JSON, or equal as text (`"5"` from a form-minded API matches `5`). An expected
+/// object holds when every field it names holds (the answer may carry more).
 fn same(seen: &Value, expected: &Value) -> bool {
+    if let Value::Object(want) = expected {
+        return seen.as_object().is_some_and(|got| {
+            want.iter()
+                .all(|(k, v)| got.get(k).is_some_and(|g| same(g, v)))
+        });
+    }
+    if let (Value::Array(want), Value::Array(got)) = (expected, seen) {
+        return want.len() == got.len() && want.iter().zip(got).all(|(v, g)| same(g, v));
+    }
     let text = |v: &Value| match v {
         Value::String(s) => s.clone(),
         other => other.to_string(),
@@ -135,6 +145,11 @@ mod tests {
         assert!(same(&n("1e2"), &n("100")));
         assert!(!same(&n("5.51"), &n("5.5")));
         assert!(!same(&json!("taken"), &json!("free")));
+        // An object: every field it names, as JSON or text; more in the answer is fine.
+        let got = json!({"firstname": "Ada", "age": "36", "extra": 1});
+        assert!(same(&got, &json!({"firstname": "Ada", "age": 36})));
+        assert!(!same(&got, &json!({"firstname": "Ada", "lastname": "L"})));
+        assert!(!same(&json!("Ada"), &json!({"firstname": "Ada"})));
     }
 
     #[test]

@@ -61,6 +61,22 @@ async function main() {
           .then((r) => r.properties.firstname));
       return { names: (await Promise.all(calls)).sort() };
     }
+    case 'lost_answers': {
+      // HubSpot applies these but their answers are lost; the proxy reconciles them.
+      const info = (r) => ({
+        id: r.data.id,
+        email: r.data.properties.email,
+        firstname: r.data.properties.firstname,
+        reconciled: r.headers['idemproxy-reconciled'] || null,
+        replayed: r.headers['idempotent-replayed'] || null,
+      });
+      const created = await c.crm.contacts.basicApi.createWithHttpInfo({ properties: { email: 'lost@example.com', firstname: 'Lin' }, associations: [] });
+      const wf = client({ 'X-Workflow-Id': 'wf-lost', 'X-Test-Lose': '1' });
+      const update = () => wf.crm.contacts.basicApi.updateWithHttpInfo(created.data.id, { properties: { firstname: 'Lou' } });
+      const updated = await update();
+      const retried = await update();
+      return { created: info(created), updated: info(updated), retried: info(retried) };
+    }
     case 'errors': {
       // The shipped route derives its key from X-Workflow-Id: without it, 400 key_missing.
       const keyMissing = await thrown(() => c.crm.contacts.basicApi.update('1', { properties: { firstname: 'x' } }));
