@@ -232,16 +232,35 @@ async fn create_scenario(store: &str) {
     assert_eq!(posts(&upstream, "cy@example.com"), 1, "one side effect");
     assert_eq!(reconciles(&admin, "found").await, 2);
 
-    // The history says what happened.
-    let key_of = |r: &Resp| r.idempotency_key().unwrap().to_owned();
-    let key = key_of(&healed);
-    let shown = get(&proxy.admin_url(&format!("/admin/keys/{}", urlencode(&key)))).await;
-    assert_eq!(
-        shown.json()["records"][0]["state"],
-        "completed",
-        "{}",
-        shown.text()
-    );
+    // The history says what happened, in the order rows were written: each reconcile, then
+    // the request it ran for (the lost forward, the refused retry, the replay).
+    let key = healed.idempotency_key().unwrap().to_owned();
+    let url = proxy.admin_url(&format!("/admin/keys/{}", urlencode(&key)));
+    let want = [
+        "reconcile_failed",
+        "unknown",
+        "reconcile_failed",
+        "outcome_unknown",
+        "reconciled_found",
+        "replayed",
+    ];
+    let mut decisions = Vec::new();
+    for _ in 0..500 {
+        let shown = get(&url).await.json();
+        assert_eq!(shown["records"][0]["state"], "completed", "{shown}");
+        decisions = shown["attempts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .rev()
+            .map(|a| a["decision"].as_str().unwrap().to_owned())
+            .collect();
+        if decisions.len() >= want.len() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(decisions, want, "the audit trail of {key}");
 }
 
 fn urlencode(s: &str) -> String {
