@@ -13,7 +13,8 @@
 //! - [`reload`]: the configuration read again on `SIGHUP` or `POST /admin/reload`.
 //! - [`pipeline`]: the protected-request pipeline, SPEC.md's seven steps in seven files —
 //!   prepare, lookup, lock, checks, reserve, forward, store — over one request context and one
-//!   typed outcome.
+//!   typed outcome; beside them, observe mode, the reads sent on a request's behalf (precheck,
+//!   reconcile) and the reconcile of unknown outcomes.
 //! - [`upstream`]: the upstream side: pooled clients (rustls, per-upstream trust roots), header
 //!   hygiene, the call of a protected request and its outcome table, passthrough streaming.
 //! - [`config`]: `proxy.toml`, parsed and validated into compiled types at load.

@@ -9,6 +9,11 @@
 //! 6. [`forward`]: the upstream call, detached from the client's connection.
 //! 7. [`store`]: the answer stored, the entity effects applied, the locks released.
 //!
+//! Beside them: [`observe`] (observe mode: forward, and record what enforce mode would do),
+//! [`side_read`] (the reads sent on a request's behalf: precheck and reconcile) and
+//! [`reconcile`] (asking the real system about an unknown outcome: after step 6 lost its
+//! answer, and between steps 5 and 6 when a retry met an unknown key).
+//!
 //! One request context, [`Ctx`], owns what a request holds as it goes (its key slot, entity
 //! guards and leases, its timings), the way pingora's `CTX` does; one typed [`Outcome`] is what
 //! its audit row, its metrics and its answer are written from, once, by [`Ctx::finish`].
