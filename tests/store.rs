@@ -415,7 +415,38 @@ async fn ordered_suite(s: Arc<dyn Store>) {
         )
         .await
         .unwrap());
+    // An entity whose only state is a lapsed claim: the purge clears the claim, then the row.
+    let lapsed = vec!["slot:lapsed".to_string()];
+    let held = s
+        .lock_entities(&lapsed, "test-owner", LONG, Duration::ZERO)
+        .await
+        .unwrap()
+        .expect("free");
+    let e = owned(
+        s.reserve(reservation("lapsing", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    let claim = Effects {
+        entities: lapsed.clone(),
+        claim_until: Some(1),
+        leases: held.clone(),
+        owner: "test-owner".into(),
+        ..Default::default()
+    };
+    let done = Finish::Completed {
+        response: answer(5).into(),
+        expires_at: far,
+        effects: claim,
+    };
+    assert!(s.finish(&id("lapsing"), e, done).await.unwrap());
+    s.unlock_entities(&held, "test-owner").await.unwrap();
+    assert_eq!(s.find_entities("slot:lapsed").await.unwrap().len(), 1);
     assert!(s.purge(500, 0).await.unwrap() >= 2);
+    assert!(
+        s.find_entities("slot:lapsed").await.unwrap().is_empty(),
+        "a lapsed claim is cleared, and the empty entity row goes"
+    );
     assert!(
         s.get(&id("gone")).await.unwrap().is_none(),
         "expired completed key purged"

@@ -48,7 +48,8 @@ pub async fn purge(
           INDEXED BY idem_keys_released_updated WHERE state = 'released' AND updated_at < ?1 LIMIT ?2)", released_before),
         ("DELETE FROM idem_audit WHERE id IN (SELECT id FROM idem_audit WHERE expires_at < ?1 LIMIT ?2)", now),
         ("UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL \
-          WHERE entity IN (SELECT entity FROM idem_entities WHERE claim_until < ?1 LIMIT ?2)", now),
+          WHERE entity IN (SELECT entity FROM idem_entities INDEXED BY idem_entities_claimed \
+          WHERE claim_until IS NOT NULL AND claim_until < ?1 LIMIT ?2)", now),
         ("DELETE FROM idem_releases WHERE seq IN (SELECT seq FROM idem_releases WHERE at < ?1 LIMIT ?2)",
           now - super::releases::KEEP_MS),
     ];
@@ -63,7 +64,7 @@ pub async fn purge(
     }
     n += sqlx::query(
         "DELETE FROM idem_entities WHERE entity IN (SELECT entity FROM idem_entities \
-         WHERE version IS NULL AND claim_key IS NULL LIMIT ?1)",
+         INDEXED BY idem_entities_empty WHERE version IS NULL AND claim_key IS NULL LIMIT ?1)",
     )
     .bind(batch)
     .execute(&mut *conn)
