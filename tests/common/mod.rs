@@ -45,11 +45,6 @@ pub use upstream::{Action, Recorded, RecordingUpstream, Reply, UpstreamBuilder};
 /// that a broken test fails instead of hanging the suite.
 pub const WAIT: Duration = Duration::from_secs(10);
 
-/// Polls `cond` until it holds, panicking with `what` once `timeout` has passed.
-///
-/// For conditions with no notification to await (a proxy gauge, a file appearing). This is a
-/// bounded wait for a condition, not a sleep used as synchronisation: it returns as soon as the
-/// condition holds, and the assertion a test makes afterwards never depends on timing.
 /// One series of the `/metrics` page under `admin` (`http://host:port`): `series` is the name
 /// with its labels as rendered, e.g. `idemproxy_config_reloads_total{result="ok"}`; `0` when
 /// absent (a counter never incremented).
@@ -62,6 +57,11 @@ pub async fn metric(admin: &str, series: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Polls `cond` until it holds, panicking with `what` once `timeout` has passed.
+///
+/// For conditions with no notification to await (a proxy gauge, a file appearing). This is a
+/// bounded wait for a condition, not a sleep used as synchronisation: it returns as soon as the
+/// condition holds, and the assertion a test makes afterwards never depends on timing.
 pub async fn wait_until(mut cond: impl FnMut() -> bool, timeout: Duration, what: &str) {
     let deadline = Instant::now() + timeout;
     loop {
