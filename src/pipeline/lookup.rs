@@ -130,7 +130,9 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
         KeyState::Released => Decision::Proceed {
             take_unknown: false,
         },
-        KeyState::Completed => match &rec.response {
+        // An answer that cannot be decrypted is a store failure (`503`), never "no answer":
+        // the write happened, so it must not be forwarded again.
+        KeyState::Completed => match rec.answer().map_err(|e| sealed(ctx, e))? {
             Some(resp) => Decision::Replay(Arc::new(resp.clone())),
             None => Decision::Proceed {
                 take_unknown: false,
@@ -198,6 +200,12 @@ async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<Option<KeyRecord>> {
     }
     ctx.p.id = old;
     Ok(Some(record))
+}
+
+/// A stored answer this process cannot decrypt: counted, and refused as a store failure.
+fn sealed(ctx: &Ctx, e: crate::store::StoreError) -> ProxyError {
+    ctx.state.stats.on_decrypt_failure();
+    ProxyError::store(e)
 }
 
 fn key_reused() -> ProxyError {

@@ -119,6 +119,16 @@ async fn look(ctx: &mut Ctx) -> (Option<&'static str>, bool) {
         Ok(r) => r,
         Err(e) => return store_failed(ctx, e),
     };
+    // An answer this process cannot decrypt is a store failure here too: enforce mode would
+    // answer `503`; observe mode fails open and forwards (and leaves the record alone).
+    if let Some(Err(e)) = record
+        .as_ref()
+        .filter(|r| r.effective_state(now_ms()) == KeyState::Completed)
+        .map(|r| r.answer())
+    {
+        ctx.state.stats.on_decrypt_failure();
+        return store_failed(ctx, e);
+    }
     if let Some(w) = record
         .as_ref()
         .and_then(|r| would_for_record(r, &ctx.p.fingerprint, &ctx.upstream))
