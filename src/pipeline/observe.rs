@@ -8,7 +8,9 @@
 //! starts from true history: a request enforce mode would have forwarded reserves its key and
 //! stores its answer and entity effects; a request enforce mode would have replayed or refused
 //! leaves the records alone. A store that fails does not stop the request (observe mode fails
-//! open): it is forwarded, and the failure counted in `idemproxy_store_errors_total`.
+//! open): it is forwarded, and the failure counted in `idemproxy_store_errors_total`. A stored
+//! answer this process cannot decrypt counts as such a failure (and in
+//! `idemproxy_decrypt_failures_total`): enforce mode answers it `503`, observe mode forwards.
 
 use super::{checks, forward, lock, store, Ctx, Outcome};
 use crate::config::Upstream;
