@@ -173,6 +173,8 @@ async fn missing_key_refuses(pg: bool) {
                 "{}",
                 retry.text()
             );
+            // Which key it wants is for the operator's log, not the caller.
+            assert!(!retry.text().contains(&key_id(1)), "{}", retry.text());
         }
         let admin = format!("http://{}", proxy.admin_addr.expect("admin listener"));
         assert_eq!(metric(&admin, "idemproxy_decrypt_failures_total").await, 2);

@@ -202,10 +202,13 @@ async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<Option<KeyRecord>> {
     Ok(Some(record))
 }
 
-/// A stored answer this process cannot decrypt: counted, and refused as a store failure.
+/// A stored answer this process cannot decrypt: counted, logged with why (which key, which
+/// value), and refused as a store failure. The caller is told only that it cannot be read: key
+/// ids and settings are the operator's business.
 fn sealed(ctx: &Ctx, e: crate::store::StoreError) -> ProxyError {
     ctx.state.stats.on_decrypt_failure();
-    ProxyError::store(e)
+    tracing::error!(key = %ctx.p.id.key, upstream = %ctx.p.id.upstream, error = %e, "a stored answer cannot be decrypted: refused (503), not forwarded");
+    ProxyError::store("a stored answer for this key cannot be decrypted")
 }
 
 fn key_reused() -> ProxyError {

@@ -182,9 +182,12 @@ impl Cipher {
             )
         })?;
         let broken = || {
+            let what = match field {
+                Field::Headers => "headers do",
+                Field::Body => "body does",
+            };
             format!(
-                "its {} do not decrypt with key {key_id} (altered, or copied from another record)",
-                String::from_utf8_lossy(field.label())
+                "its {what} not decrypt with key {key_id} (altered, or copied from another record)"
             )
         };
         let nonce = sealed
