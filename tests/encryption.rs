@@ -257,6 +257,30 @@ async fn postgres_rotation_keeps_answers_and_scopes() {
     rotation(true).await;
 }
 
+/// Turning encryption on for a SQLite store that ran without it: its scopes stay keyed by its
+/// `.secret` file (a retry of an old key replays, the old answer still in clear), and new
+/// answers are sealed.
+#[tokio::test]
+async fn sqlite_turns_encryption_on_later() {
+    let upstream = marked_upstream().await;
+    let plain = Backend::Sqlite.config(&upstream, "");
+    let proxy = start(TestDir::new(), &plain).await;
+    let before = post(&proxy, "enc-before").await;
+    before.assert_status(201);
+    let dir = proxy.shutdown().await;
+    assert!(dir.path().join("idemproxy.db.secret").exists());
+    let encrypted =
+        Backend::Sqlite.config(&upstream, &format!("encryption_key = \"{}\"\n", key(5)));
+    let proxy = start(dir, &encrypted).await;
+    assert_replay_of(&before, &post(&proxy, "enc-before").await);
+    assert_eq!(upstream.count_method("POST"), 1, "the scope did not move");
+    post(&proxy, "enc-after").await.assert_status(201);
+    let dir = proxy.shutdown().await;
+    let keys = Backend::Sqlite.enc_keys(&dir).await;
+    assert_eq!(keys["enc-before"], None, "stored in clear, before");
+    assert_eq!(keys["enc-after"].as_deref(), Some(key_id(5).as_str()));
+}
+
 /// (4) A sealed value moved to another record, or the headers swapped with the body, does not
 /// open: `503`, nothing forwarded. The untouched record still replays.
 #[tokio::test]
