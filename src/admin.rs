@@ -3,7 +3,8 @@
 
 use crate::error::{ErrorKind, ProxyError};
 use crate::state::{AppState, Live};
-use crate::store::{now_ms, AuditRow, KeyRecord, Store, StoreResult};
+use crate::store::seal::ENCRYPTED;
+use crate::store::{now_ms, AuditRow, KeyRecord, Store, StoreResult, StoredAnswer};
 use crate::upstream::{full, ProxyBody};
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
@@ -234,12 +235,31 @@ pub fn record_json(r: &KeyRecord) -> Value {
         "created_at_ms": r.created_at,
         "updated_at_ms": r.updated_at,
         "expires_at_ms": r.expires_at,
-        "response": r.response.as_ref().map(|resp| json!({
+        "encrypted_with": r.enc_key,
+        "response": r.response.as_ref().map(answer_json),
+    })
+}
+
+/// A stored answer as operators see it: opened (its headers and body as text), or, when this
+/// process cannot decrypt it, its status and `<encrypted>` in place of the rest.
+fn answer_json(a: &StoredAnswer) -> Value {
+    match a {
+        StoredAnswer::Open(resp) => json!({
             "status": resp.status,
+            "headers": resp.headers.iter()
+                .map(|(n, v)| json!([n, String::from_utf8_lossy(v)]))
+                .collect::<Vec<_>>(),
             "body_bytes": resp.body.len(),
             "body_preview": String::from_utf8_lossy(&resp.body[..resp.body.len().min(512)]),
-        })),
-    })
+            "body": String::from_utf8_lossy(&resp.body),
+        }),
+        StoredAnswer::Sealed(s) => json!({
+            "status": s.status,
+            "headers": ENCRYPTED,
+            "body": ENCRYPTED,
+            "sealed": s.reason,
+        }),
+    }
 }
 
 fn json_response(status: StatusCode, body: Value) -> Response<ProxyBody> {

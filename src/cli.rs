@@ -128,6 +128,11 @@ fn runtime(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow
 
 fn check(config: &Config) -> anyhow::Result<()> {
     println!("{}: ok", config.origin);
+    println!(
+        "store: {} {}",
+        config.store.display_url(),
+        config.store.encryption_summary()
+    );
     for u in &config.upstreams {
         let at = u.prefix.as_deref().unwrap_or("-");
         println!(
@@ -245,14 +250,16 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
 }
 
 async fn migrate(config: Config) -> anyhow::Result<()> {
-    let store = crate::store::open(&config.store.url, config.store.lease, false).await?;
+    let store = crate::store::open(&config.store.url, config.store.lease, false, None).await?;
     store.close().await;
     println!("migrations applied to {}", config.store.display_url());
     Ok(())
 }
 
 async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
-    let store = crate::store::open(&config.store.url, config.store.lease, false).await?;
+    // With the config's keys, answers are shown opened; without them, `<encrypted>`.
+    let cipher = config.store.encryption.clone();
+    let store = crate::store::open(&config.store.url, config.store.lease, false, cipher).await?;
     let result = match command {
         KeysCommand::Show { key } => match crate::admin::key_report(store.as_ref(), &key).await? {
             Some(report) => {
@@ -303,7 +310,7 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
                 let status = r
                     .response
                     .as_ref()
-                    .map(|x| x.status.to_string())
+                    .map(|x| x.status().to_string())
                     .unwrap_or_else(|| "-".into());
                 println!(
                     "{}\t{}\t{}\t{}\tstatus={status}\tattempts={}\tentities={}",

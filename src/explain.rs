@@ -100,15 +100,16 @@ pub fn explain(
         body: &body,
         path_params: &params,
     };
-    // The running proxy keys scopes with its secret; without one in the config (SQLite's
-    // generated file), a placeholder shows the shape, not the value.
-    let secret = match &config.store.scope_secret {
-        Some(s) => Some(s.as_bytes().to_vec()),
-        None => crate::store::sqlite::existing_scope_secret(&config.store.url),
+    // The running proxy keys scopes with the secret its store recorded; explain reads no
+    // store, so it takes the first candidate (the one a new store records) and says when the
+    // store may use another. With none yet (SQLite's file not made), a placeholder shows the
+    // shape, not the value.
+    let candidates = crate::key::secret::candidates(&config.store, false).unwrap_or_default();
+    let others = candidates.len().saturating_sub(1);
+    let (scoper, keyed_by) = match candidates.into_iter().next() {
+        Some(c) => (c.keyer, Some(c.source)),
+        None => (crate::key::ScopeKeyer::new(b"explain-placeholder"), None),
     };
-    let placeholder = secret.is_none();
-    let secret = secret.unwrap_or_else(|| b"explain-placeholder".to_vec());
-    let scoper = crate::key::ScopeKeyer::new(&secret);
     let p = match prepare::prepare(&upstream, &route, plan, &input, &scoper) {
         Ok(p) => p,
         Err(e) => return Ok(refused(out, &e)),
@@ -122,16 +123,14 @@ pub fn explain(
         .filter(|n| hm.contains_key(*n))
         .map(|n| n.to_string())
         .collect();
-    let _ = writeln!(
-        w,
-        "scope:       {}{}",
-        p.id.scope,
-        if placeholder {
-            " (keyed with a placeholder: the store has no secret yet)"
-        } else {
-            ""
-        }
-    );
+    let note = match (&keyed_by, others) {
+        (None, _) => " (keyed with a placeholder: the store has no secret yet)".to_owned(),
+        (Some(_), 0) => String::new(),
+        (Some(by), n) => format!(
+            " (keyed by {by}; a store first written under one of the {n} other candidate secret(s) keys it with that one)"
+        ),
+    };
+    let _ = writeln!(w, "scope:       {}{note}", p.id.scope);
     let _ = writeln!(
         w,
         "credentials: {}",

@@ -20,11 +20,13 @@
 //! - [`config`]: `proxy.toml`, parsed and validated into compiled types at load.
 //! - [`template`], [`body`], [`route`]: the little languages of routes — templates, body paths
 //!   and forms, path patterns.
-//! - [`key`]: client keys, derived keys, fingerprints, credential scopes.
+//! - [`key`]: client keys, derived keys, fingerprints, credential scopes, and which secret
+//!   keys a store's scopes (`scope_secret`, or one derived from an encryption key).
 //! - [`locks`]: in-process one-holder/many-waiters locks for keys and entities.
 //! - [`store`]: the durable store: four small interfaces by concern (keys, entity locks,
 //!   entity states, audit), SQLite (one process, group commit) and PostgreSQL (replicas,
-//!   leases, NOTIFY) backends, and the replay cache as a layer in front of either.
+//!   leases, NOTIFY) backends, the replay cache as a layer in front of either, and stored
+//!   answers sealed at rest (`store::seal`, AES-256-GCM) when an encryption key is set.
 //! - [`audit`]: the audit trail (batched, off the request path) and retention purging.
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
 //! - [`metrics`]: counters shared by the pipeline and the admin listener.

@@ -54,6 +54,8 @@ pub struct Stats {
     forwarded: Counter,
     replayed: Counter,
     store_errors: Counter,
+    /// Stored answers met on the request path that could not be decrypted (refused `503`).
+    decrypt_failures: Counter,
     audit_dropped: Counter,
     in_flight: Gauge,
     waiting: Gauge,
@@ -84,6 +86,7 @@ impl Default for Stats {
             forwarded: Counter::default(),
             replayed: Counter::default(),
             store_errors: Counter::default(),
+            decrypt_failures: Counter::default(),
             audit_dropped: Counter::default(),
             in_flight: Gauge::default(),
             waiting: Gauge::default(),
@@ -134,6 +137,11 @@ impl Default for Stats {
             "idemproxy_store_errors",
             "Store operations that failed",
             s.store_errors.clone(),
+        );
+        r.register(
+            "idemproxy_decrypt_failures",
+            "Stored answers that could not be decrypted (key missing or wrong, value moved): refused with 503",
+            s.decrypt_failures.clone(),
         );
         r.register(
             "idemproxy_audit_dropped",
@@ -200,6 +208,9 @@ impl Stats {
     }
     pub(crate) fn on_store_error(&self) {
         self.store_errors.inc();
+    }
+    pub(crate) fn on_decrypt_failure(&self) {
+        self.decrypt_failures.inc();
     }
     pub(crate) fn on_audit_dropped(&self, n: u64) {
         self.audit_dropped.inc_by(n);

@@ -109,6 +109,13 @@ fn keep_fixed(old: &Config, new: &mut Config) -> Vec<String> {
         );
     }
     n.scope_secret = o.scope_secret.clone();
+    // The store seals and opens with the keys it was opened with; key ids, never keys.
+    note(
+        "store.encryption_key / encryption_keys_previous",
+        o.encryption_summary(),
+        n.encryption_summary(),
+    );
+    n.encryption = o.encryption.clone();
     note(
         "store.lease",
         format!("{:?}", o.lease),

@@ -58,21 +58,16 @@ impl Server {
     /// Opens the store (applying migrations), builds the clients, binds every listener.
     pub async fn start(config: Config) -> anyhow::Result<Server> {
         let config = Arc::new(config);
-        let store = crate::store::open(&config.store.url, config.store.lease, true)
+        let cipher = config.store.encryption.clone();
+        let store = crate::store::open(&config.store.url, config.store.lease, true, cipher)
             .await
             .with_context(|| format!("cannot open the store {}", config.store.display_url()))?;
-        let scoper = scope_keyer(&config)?;
-        let check = store
-            .scope_secret(&scoper.id())
-            .await
-            .context("cannot read the store's scope secret id")?;
-        anyhow::ensure!(
-            check.recorded == scoper.id(),
-            "the store's credential scopes were keyed with another scope secret (id {}, this one is {}): \
-             with this one every stored key would look new to its callers' retries. Start with the \
-             secret the store was written with",
-            check.recorded,
-            scoper.id()
+        let (scoper, check, source) =
+            crate::key::secret::for_store(&config.store, store.as_ref()).await?;
+        tracing::info!(
+            scopes_keyed_by = %source,
+            "{}",
+            config.store.encryption_summary()
         );
         if check.legacy_keys {
             tracing::info!(
@@ -204,17 +199,6 @@ impl Server {
         state.store.close().await;
         tracing::info!("stopped");
     }
-}
-
-/// The secret that keys credential scopes: the config's, else (SQLite) the generated one in
-/// the file beside the database.
-fn scope_keyer(config: &Config) -> anyhow::Result<crate::key::ScopeKeyer> {
-    let secret = match &config.store.scope_secret {
-        Some(s) => s.as_bytes().to_vec(),
-        None => crate::store::sqlite::default_scope_secret(&config.store.url)
-            .context("cannot make the store's scope secret")?,
-    };
-    Ok(crate::key::ScopeKeyer::new(&secret))
 }
 
 async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {

@@ -242,10 +242,14 @@ async fn credential_scopes_are_keyed_and_an_upgrade_keeps_old_keys() {
     let dir = TestDir::new();
     // A key stored by the first release: its scope is the plain SHA-256 of Authorization.
     {
-        let store =
-            idemproxy::store::open(&dir.db_url(), std::time::Duration::from_secs(30), false)
-                .await
-                .expect("open the store");
+        let store = idemproxy::store::open(
+            &dir.db_url(),
+            std::time::Duration::from_secs(30),
+            false,
+            None,
+        )
+        .await
+        .expect("open the store");
         let mut headers = http::HeaderMap::new();
         headers.insert("authorization", "Bearer old".parse().expect("header"));
         let id = ScopedKey {

@@ -112,7 +112,7 @@ async fn suite(s: Arc<dyn Store>) {
     );
     let rec = s.get(&id("k1")).await.unwrap().expect("k1 stored");
     assert_eq!(rec.state, KeyState::Completed);
-    assert_eq!(rec.response, Some(answer(1)));
+    assert_eq!(rec.answer().expect("opens"), Some(&answer(1)));
     assert_eq!(rec.entities, vec!["customer:1", "customer:2"]);
     assert_eq!(rec.attempts, 1);
     assert_eq!(
@@ -469,7 +469,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
 async fn sqlite_store_passes_the_ordered_suite() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("o.db").display());
-    ordered_suite(store::open(&url, LONG, false).await.unwrap()).await;
+    ordered_suite(store::open(&url, LONG, false, None).await.unwrap()).await;
 }
 
 #[tokio::test]
@@ -477,14 +477,14 @@ async fn postgres_store_passes_the_ordered_suite() {
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    ordered_suite(store::open(&pg.url, LONG, false).await.unwrap()).await;
+    ordered_suite(store::open(&pg.url, LONG, false, None).await.unwrap()).await;
 }
 
 #[tokio::test]
 async fn sqlite_store_passes_the_suite() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("s.db").display());
-    let s = store::open(&url, LONG, false).await.unwrap();
+    let s = store::open(&url, LONG, false, None).await.unwrap();
     suite(s).await;
 }
 
@@ -493,8 +493,38 @@ async fn postgres_store_passes_the_suite() {
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    let s = store::open(&pg.url, LONG, false).await.unwrap();
+    let s = store::open(&pg.url, LONG, false, None).await.unwrap();
     suite(s).await;
+}
+
+/// The store's keys, sealing every stored answer (see `tests/encryption.rs` for what lands on
+/// disk): the suite must pass unchanged.
+fn cipher() -> store::SharedCipher {
+    Some(Arc::new(store::seal::Cipher::new([9; 32], &[])))
+}
+
+#[tokio::test]
+async fn sqlite_store_passes_the_suite_encrypted() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!("sqlite://{}", dir.path().join("s.db").display());
+    suite(store::open(&url, LONG, false, cipher()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_store_passes_the_suite_encrypted() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    suite(store::open(&pg.url, LONG, false, cipher()).await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn postgres_store_passes_the_ordered_suite_encrypted() {
+    // Answers with entity effects go through their own transaction on PostgreSQL.
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    ordered_suite(store::open(&pg.url, LONG, false, cipher()).await.unwrap()).await;
 }
 
 /// Entity leases across two store handles (two replicas): one holder at a time, the waiter
@@ -505,8 +535,8 @@ async fn postgres_entity_leases_exclude_and_expire() {
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    let a = store::open(&pg.url, LONG, false).await.unwrap();
-    let b = store::open(&pg.url, LONG, false).await.unwrap();
+    let a = store::open(&pg.url, LONG, false, None).await.unwrap();
+    let b = store::open(&pg.url, LONG, false, None).await.unwrap();
     let ents = vec!["slot:1".to_string()];
     let held = a
         .lock_entities(&ents, "A", LONG, Duration::ZERO)
@@ -644,7 +674,7 @@ async fn concurrent_suite(s: Arc<dyn Store>) {
 async fn sqlite_store_batches_concurrent_writes() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("c.db").display());
-    concurrent_suite(store::open(&url, LONG, false).await.unwrap()).await;
+    concurrent_suite(store::open(&url, LONG, false, None).await.unwrap()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -652,5 +682,5 @@ async fn postgres_store_handles_concurrent_writes() {
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    concurrent_suite(store::open(&pg.url, LONG, false).await.unwrap()).await;
+    concurrent_suite(store::open(&pg.url, LONG, false, None).await.unwrap()).await;
 }

@@ -150,7 +150,7 @@ async fn cache_suite(s: Arc<dyn Store>) {
 async fn sqlite_scoped_entities_and_scope_secret() {
     let dir = tempfile::tempdir().expect("temp dir");
     let url = format!("sqlite://{}", dir.path().join("e.db").display());
-    scoped_suite(store::open(&url, LONG, false).await.expect("open")).await;
+    scoped_suite(store::open(&url, LONG, false, None).await.expect("open")).await;
 }
 
 #[tokio::test]
@@ -158,14 +158,14 @@ async fn postgres_scoped_entities_and_scope_secret() {
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    scoped_suite(store::open(&pg.url, LONG, false).await.expect("open")).await;
+    scoped_suite(store::open(&pg.url, LONG, false, None).await.expect("open")).await;
 }
 
 #[tokio::test]
 async fn sqlite_serving_store_caches_replays() {
     let dir = tempfile::tempdir().expect("temp dir");
     let url = format!("sqlite://{}", dir.path().join("c.db").display());
-    cache_suite(store::open(&url, LONG, true).await.expect("open")).await;
+    cache_suite(store::open(&url, LONG, true, None).await.expect("open")).await;
 }
 
 #[tokio::test]
@@ -173,5 +173,5 @@ async fn postgres_serving_store_caches_replays() {
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    cache_suite(store::open(&pg.url, LONG, true).await.expect("open")).await;
+    cache_suite(store::open(&pg.url, LONG, true, None).await.expect("open")).await;
 }

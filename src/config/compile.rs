@@ -3,6 +3,7 @@
 use super::ctx::Ctx;
 use super::raw::*;
 use super::routes::route;
+use super::store::store;
 use super::units::parse_size;
 use super::*;
 use std::collections::{BTreeMap, HashSet};
@@ -129,66 +130,6 @@ fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
 /// Default `max_answer`: larger than any JSON answer of the APIs in front of which this proxy
 /// sits, small enough that a few hundred of them in flight fit in memory.
 pub const DEFAULT_MAX_ANSWER: usize = 10 << 20;
-
-/// Shortest `store.lease` accepted.
-const MIN_LEASE: Duration = Duration::from_millis(500);
-
-fn store(cx: &mut Ctx, raw: &RawStore) -> StoreConfig {
-    let url = match (cx.env)("IDEMPROXY_STORE_URL").filter(|s| !s.is_empty()) {
-        Some(url) => url,
-        None => raw
-            .url
-            .as_ref()
-            .and_then(|u| cx.s(u))
-            .unwrap_or_else(|| "sqlite://idemproxy.db".into()),
-    };
-    if !(url.starts_with("sqlite:")
-        || url.starts_with("postgres://")
-        || url.starts_with("postgresql://"))
-    {
-        let span = raw.url.as_ref().map(|u| u.span()).unwrap_or(0..0);
-        cx.err(
-            span,
-            format!(
-                "store.url {}: use sqlite://FILE or postgres://...",
-                redact_url(&url)
-            ),
-        );
-    }
-    let lease = cx.dur(&raw.lease, Duration::from_secs(30));
-    if lease < MIN_LEASE {
-        // Leases are renewed every third of their length: a shorter one cannot be kept alive.
-        let span = raw.lease.as_ref().map(|l| l.span()).unwrap_or(0..0);
-        cx.err(span, format!("store.lease must be at least {MIN_LEASE:?}"));
-    }
-    let scope_secret = raw
-        .scope_secret
-        .as_ref()
-        .and_then(|s| cx.s(s))
-        .filter(|s| !s.is_empty());
-    match &scope_secret {
-        Some(s) if s.len() < 16 => {
-            let span = raw.scope_secret.as_ref().map(|s| s.span()).unwrap_or(0..0);
-            cx.err(span, "store.scope_secret must be at least 16 characters (e.g. `openssl rand -base64 32`)");
-        }
-        None if !url.starts_with("sqlite:") => {
-            let span = raw.url.as_ref().map(|u| u.span()).unwrap_or(0..0);
-            cx.err(
-                span,
-                "store.scope_secret is required with PostgreSQL: it keys the credential hashes, \
-                 must be the same on every replica and must not be kept in the database \
-                 (e.g. scope_secret = \"${IDEMPROXY_SCOPE_SECRET}\")",
-            );
-        }
-        _ => {}
-    }
-    StoreConfig {
-        url,
-        retention: cx.dur(&raw.retention, Duration::from_secs(86_400)),
-        lease,
-        scope_secret,
-    }
-}
 
 fn upstreams(
     cx: &mut Ctx,

@@ -10,6 +10,7 @@ mod ctx;
 pub mod raw;
 mod routes;
 mod side_reads;
+mod store;
 pub mod units;
 
 use crate::body::BodyPath;
@@ -70,8 +71,12 @@ pub struct StoreConfig {
     pub lease: Duration,
     /// The secret that keys credential-scope hashes, so a copy of the database alone cannot
     /// be used to test guesses at credentials. `None`: SQLite keeps a generated one in a
-    /// file of its own beside the database (see [`crate::key::ScopeKeyer`]).
+    /// file of its own beside the database (see [`crate::key::ScopeKeyer`]) — unless
+    /// `encryption` is set: then it is derived from an encryption key (see `server`).
     pub scope_secret: Option<String>,
+    /// `encryption_key` and `encryption_keys_previous`: stored answers are sealed with the
+    /// first and opened with any (see [`crate::store::seal`]). `None`: stored in clear.
+    pub encryption: Option<Arc<crate::store::seal::Cipher>>,
 }
 
 /// What to do with a mutating request that matches no route.
@@ -283,6 +288,23 @@ impl StoreConfig {
     /// The URL with its password masked, for logs and errors.
     pub fn display_url(&self) -> String {
         redact_url(&self.url)
+    }
+
+    /// `encryption=off`, or `encryption=on (key id …, previous …)`: key ids, never keys.
+    pub fn encryption_summary(&self) -> String {
+        let Some(c) = &self.encryption else {
+            return "encryption=off".into();
+        };
+        let previous: Vec<&str> = c.previous_ids().collect();
+        if previous.is_empty() {
+            format!("encryption=on (key id {})", c.current_id())
+        } else {
+            format!(
+                "encryption=on (key id {}, previous {})",
+                c.current_id(),
+                previous.join(",")
+            )
+        }
     }
 }
 

@@ -50,6 +50,8 @@ pub struct RawStore {
     pub retention: Option<Str>,
     pub lease: Option<Str>,
     pub scope_secret: Option<Str>,
+    pub encryption_key: Option<Str>,
+    pub encryption_keys_previous: Option<Vec<Str>>,
 }
 
 #[derive(Debug, Deserialize)]

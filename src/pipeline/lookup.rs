@@ -138,7 +138,9 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
             take_unknown: false,
             reconcile: None,
         },
-        KeyState::Completed => match &rec.response {
+        // An answer that cannot be decrypted is a store failure (`503`), never "no answer":
+        // the write happened, so it must not be forwarded again.
+        KeyState::Completed => match rec.answer().map_err(|e| sealed(ctx, e))? {
             Some(resp) => Decision::Replay(Arc::new(resp.clone())),
             None => Decision::Proceed {
                 take_unknown: false,
@@ -216,6 +218,15 @@ async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<Option<KeyRecord>> {
     }
     ctx.p.id = old;
     Ok(Some(record))
+}
+
+/// A stored answer this process cannot decrypt: counted, logged with why (which key, which
+/// value), and refused as a store failure. The caller is told only that it cannot be read: key
+/// ids and settings are the operator's business.
+fn sealed(ctx: &Ctx, e: crate::store::StoreError) -> ProxyError {
+    ctx.state.stats.on_decrypt_failure();
+    tracing::error!(key = %ctx.p.id.key, upstream = %ctx.p.id.upstream, error = %e, "a stored answer cannot be decrypted: refused (503), not forwarded");
+    ProxyError::store("a stored answer for this key cannot be decrypted")
 }
 
 fn key_reused() -> ProxyError {

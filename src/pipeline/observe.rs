@@ -8,7 +8,9 @@
 //! starts from true history: a request enforce mode would have forwarded reserves its key and
 //! stores its answer and entity effects; a request enforce mode would have replayed or refused
 //! leaves the records alone. A store that fails does not stop the request (observe mode fails
-//! open): it is forwarded, and the failure counted in `idemproxy_store_errors_total`.
+//! open): it is forwarded, and the failure counted in `idemproxy_store_errors_total`. A stored
+//! answer this process cannot decrypt counts as such a failure (and in
+//! `idemproxy_decrypt_failures_total`): enforce mode answers it `503`, observe mode forwards.
 
 use super::{checks, forward, lock, store, Ctx, Outcome};
 use crate::config::Upstream;
@@ -119,6 +121,16 @@ async fn look(ctx: &mut Ctx) -> (Option<&'static str>, bool) {
         Ok(r) => r,
         Err(e) => return store_failed(ctx, e),
     };
+    // An answer this process cannot decrypt is a store failure here too: enforce mode would
+    // answer `503`; observe mode fails open and forwards (and leaves the record alone).
+    if let Some(Err(e)) = record
+        .as_ref()
+        .filter(|r| r.effective_state(now_ms()) == KeyState::Completed)
+        .map(|r| r.answer())
+    {
+        ctx.state.stats.on_decrypt_failure();
+        return store_failed(ctx, e);
+    }
     if let Some(w) = record
         .as_ref()
         .and_then(|r| would_for_record(r, &ctx.p.fingerprint, &ctx.upstream))

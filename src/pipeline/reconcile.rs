@@ -220,6 +220,7 @@ mod tests {
             epoch: 1,
             attempts: 1,
             response: None,
+            enc_key: None,
             created_at: 0,
             updated_at,
             expires_at: None,

@@ -145,7 +145,9 @@ impl Keys for CachedStore {
         let record = self.inner.get(id).await?;
         if let Some(rec) = &record {
             if rec.effective_state(now_ms()) == KeyState::Completed {
-                if let (Some(resp), Some(exp)) = (&rec.response, rec.expires_at) {
+                // A sealed answer is never cached: each look-up meets it (and refuses it) anew.
+                if let (Some(StoredAnswer::Open(resp)), Some(exp)) = (&rec.response, rec.expires_at)
+                {
                     self.entries
                         .put(&rec.id, &rec.fingerprint, Arc::new(resp.clone()), exp);
                 }

@@ -10,6 +10,9 @@ pub enum StoreError {
     Unavailable(String),
     /// A stored value could not be read back (a row this release does not understand).
     Corrupt(String),
+    /// A stored answer is encrypted and cannot be decrypted with the configured keys (the
+    /// key is missing or wrong, or the value was moved from another record).
+    Sealed(String),
     /// Another `idemproxy serve` holds this SQLite file.
     InUse(String),
     /// The schema could not be brought up to date.
@@ -25,7 +28,7 @@ impl std::fmt::Display for StoreError {
         match self {
             StoreError::Unavailable(m) => write!(f, "store unavailable: {m}"),
             StoreError::Corrupt(m) => write!(f, "unreadable stored value: {m}"),
-            StoreError::InUse(m) | StoreError::File(m) => f.write_str(m),
+            StoreError::InUse(m) | StoreError::File(m) | StoreError::Sealed(m) => f.write_str(m),
             StoreError::Migration(m) => write!(f, "migration failed: {m}"),
             StoreError::Closed => f.write_str("the store is closed"),
         }

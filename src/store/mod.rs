@@ -5,6 +5,7 @@
 //! bumps its `epoch`, and `finish`/`renew` are fenced on it, so an owner that lost its record
 //! (lease expired, taken over) can never overwrite the new holder's outcome.
 
+mod answer;
 pub mod cached;
 pub mod codec;
 mod error;
@@ -13,13 +14,16 @@ pub mod postgres;
 mod records;
 mod rows;
 pub mod rules;
+pub mod seal;
 pub mod sqlite;
 
+pub use answer::{
+    FinishColumns, SealedAnswer, StoredAnswer, StoredResponse, OMITTED_BODY, RECONCILED,
+};
 pub use error::{StoreError, StoreResult};
 pub use records::{AuditRow, Claim, Effects, EntityState};
 
 use async_trait::async_trait;
-use bytes::Bytes;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Milliseconds since the Unix epoch: the store's clock unit.
@@ -72,55 +76,6 @@ impl KeyState {
     }
 }
 
-/// An upstream answer as stored and replayed: status, end-to-end headers, body.
-#[derive(Debug, Clone, PartialEq)]
-pub struct StoredResponse {
-    pub status: u16,
-    pub headers: Vec<(String, Bytes)>,
-    pub body: Bytes,
-}
-
-/// Marks a stored answer whose body was over `max_answer` and was not stored. A name no
-/// upstream can send (`:` is not allowed in header names), so it cannot be forged.
-pub const OMITTED_BODY: &str = ":omitted-body";
-
-/// Marks a stored answer that is a reconcile read's answer, not the write's own (see
-/// `pipeline::reconcile`); a name no upstream can send, like [`OMITTED_BODY`].
-pub const RECONCILED: &str = ":reconciled";
-
-impl StoredResponse {
-    /// Whether this is a reconcile read's answer, stored for a write whose own answer was lost.
-    pub fn reconciled(&self) -> bool {
-        self.headers.iter().any(|(n, _)| n == RECONCILED)
-    }
-
-    /// Whether the body was too large to store: such an answer is never replayed.
-    pub fn body_omitted(&self) -> bool {
-        self.headers.iter().any(|(n, _)| n == OMITTED_BODY)
-    }
-
-    /// This answer as stored: without `Set-Cookie` unless `keep_cookies` (a session cookie
-    /// replayed to a retry would hand out the first caller's session). Shared, not copied,
-    /// when there is nothing to drop.
-    pub fn for_storage(self: &std::sync::Arc<Self>, keep_cookies: bool) -> std::sync::Arc<Self> {
-        let cookie =
-            |n: &str| n.eq_ignore_ascii_case("set-cookie") || n.eq_ignore_ascii_case("set-cookie2");
-        if keep_cookies || !self.headers.iter().any(|(n, _)| cookie(n)) {
-            return self.clone();
-        }
-        std::sync::Arc::new(StoredResponse {
-            status: self.status,
-            headers: self
-                .headers
-                .iter()
-                .filter(|(n, _)| !cookie(n))
-                .cloned()
-                .collect(),
-            body: self.body.clone(),
-        })
-    }
-}
-
 /// A stored key.
 #[derive(Debug, Clone)]
 pub struct KeyRecord {
@@ -134,13 +89,27 @@ pub struct KeyRecord {
     pub epoch: i64,
     /// How many times the key was reserved (forwarded or about to be).
     pub attempts: i64,
-    pub response: Option<StoredResponse>,
+    /// The stored answer (completed keys), opened or sealed: see [`KeyRecord::answer`].
+    pub response: Option<StoredAnswer>,
+    /// The id of the encryption key that sealed the answer (`None`: stored in clear).
+    pub enc_key: Option<String>,
     pub created_at: i64,
     pub updated_at: i64,
     pub expires_at: Option<i64>,
 }
 
 impl KeyRecord {
+    /// The stored answer, opened — or [`StoreError::Sealed`] when it is encrypted and cannot
+    /// be opened here: what the request path uses, so an answer it cannot read is a store
+    /// failure (`503`), never mistaken for no answer (which would forward again).
+    pub fn answer(&self) -> StoreResult<Option<&StoredResponse>> {
+        match &self.response {
+            None => Ok(None),
+            Some(StoredAnswer::Open(r)) => Ok(Some(r)),
+            Some(StoredAnswer::Sealed(s)) => Err(answer::sealed_error(&self.id, s)),
+        }
+    }
+
     /// What the pipeline should treat this record as, now: an in-flight record whose lease ran
     /// out was abandoned by a dead owner, so its outcome is unknown. The same rule as
     /// [`rules::effective_state`], for a record already read.
@@ -199,43 +168,6 @@ pub type ReleaseObserver = std::sync::Arc<dyn Fn(Option<&str>) + Send + Sync>;
 pub struct EntityLease {
     pub entity: String,
     pub epoch: i64,
-}
-
-/// What a finished key stores, column by column.
-pub struct FinishColumns {
-    pub state: KeyState,
-    pub status: Option<u16>,
-    pub headers: Option<Vec<u8>>,
-    pub body: Option<Bytes>,
-    pub expires_at: Option<i64>,
-    pub effects: Effects,
-}
-
-impl Finish {
-    pub fn into_columns(self) -> FinishColumns {
-        let (state, response, expires_at, effects) = match self {
-            Finish::Completed {
-                response,
-                expires_at,
-                effects,
-            } => (
-                KeyState::Completed,
-                Some(response),
-                Some(expires_at),
-                effects,
-            ),
-            Finish::Released => (KeyState::Released, None, None, Effects::default()),
-            Finish::Unknown => (KeyState::Unknown, None, None, Effects::default()),
-        };
-        FinishColumns {
-            state,
-            status: response.as_ref().map(|r| r.status),
-            headers: response.as_ref().map(|r| codec::encode_headers(&r.headers)),
-            body: response.map(|r| r.body.clone()),
-            expires_at,
-            effects,
-        }
-    }
 }
 
 /// Filters for `keys list`.
@@ -381,16 +313,21 @@ pub fn names_entity(col: &str, param: &str) -> String {
 /// SQL condition over `idem_keys.scope`: a scope written by the first release (unkeyed).
 pub const LEGACY_SCOPE: &str = "substr(scope, 1, 3) <> 'k1:'";
 
-/// Opens the store named by `url` and applies its migrations.
+/// The store's encryption keys, shared by its backend (`None`: answers are stored in clear).
+pub type SharedCipher = Option<std::sync::Arc<seal::Cipher>>;
+
+/// Opens the store named by `url` and applies its migrations. With `cipher`, answers are
+/// sealed when stored and opened when read (see [`seal`]).
 pub async fn open(
     url: &str,
     lease: Duration,
     exclusive: bool,
+    cipher: SharedCipher,
 ) -> StoreResult<std::sync::Arc<dyn Store>> {
     let store: std::sync::Arc<dyn Store> = if url.starts_with("sqlite:") {
-        std::sync::Arc::new(sqlite::SqliteStore::open(url, lease, exclusive).await?)
+        std::sync::Arc::new(sqlite::SqliteStore::open(url, lease, exclusive, cipher).await?)
     } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        std::sync::Arc::new(postgres::PgStore::open(url).await?)
+        std::sync::Arc::new(postgres::PgStore::open(url, cipher).await?)
     } else {
         return Err(StoreError::Unavailable(format!(
             "store {}: use sqlite://FILE or postgres://...",

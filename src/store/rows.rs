@@ -1,7 +1,9 @@
 //! Row decoding shared by both backends. PostgreSQL selects cast their columns to the types
 //! SQLite returns (`::text` for JSONB, `::bigint` for INTEGER), so one decoder serves both.
 
-use super::codec::{decode_entities, decode_headers};
+use super::answer::read_answer;
+use super::codec::decode_entities;
+use super::seal::Cipher;
 use super::*;
 use sqlx::{ColumnIndex, Decode, Row, Type};
 
@@ -38,23 +40,31 @@ where
     }
 }
 
-/// An `idem_keys` row.
-pub fn key_record(row: &impl Cols) -> StoreResult<KeyRecord> {
+/// An `idem_keys` row; its answer opened with `cipher` when it was sealed (see
+/// [`StoredAnswer`]).
+pub fn key_record(row: &impl Cols, cipher: Option<&Cipher>) -> StoreResult<KeyRecord> {
     let state = row.text("state")?;
+    let id = ScopedKey {
+        upstream: row.text("upstream")?,
+        scope: row.text("scope")?,
+        key: row.text("key")?,
+    };
+    let epoch = row.int("epoch")?;
+    let enc_key = row.opt_text("enc_key")?;
     let response = match row.opt_int("status")? {
-        Some(status) => Some(StoredResponse {
-            status: status as u16,
-            headers: decode_headers(row.opt_bytes("headers")?.as_deref().unwrap_or_default()),
-            body: Bytes::from(row.opt_bytes("body")?.unwrap_or_default()),
-        }),
+        Some(status) => Some(read_answer(
+            cipher,
+            &id,
+            epoch,
+            status as u16,
+            enc_key.as_deref(),
+            row.opt_bytes("headers")?,
+            row.opt_bytes("body")?,
+        )),
         None => None,
     };
     Ok(KeyRecord {
-        id: ScopedKey {
-            upstream: row.text("upstream")?,
-            scope: row.text("scope")?,
-            key: row.text("key")?,
-        },
+        id,
         fingerprint: row.text("fingerprint")?,
         route: row.text("route")?,
         entities: decode_entities(&row.text("entities")?),
@@ -62,9 +72,10 @@ pub fn key_record(row: &impl Cols) -> StoreResult<KeyRecord> {
             .ok_or_else(|| StoreError::Corrupt(format!("unknown key state {state:?}")))?,
         owner: row.opt_text("owner")?,
         lease_until: row.int("lease_until")?,
-        epoch: row.int("epoch")?,
+        epoch,
         attempts: row.int("attempts")?,
         response,
+        enc_key,
         created_at: row.int("created_at")?,
         updated_at: row.int("updated_at")?,
         expires_at: row.opt_int("expires_at")?,
@@ -113,9 +124,9 @@ pub fn audit_row(row: &impl Cols) -> StoreResult<AuditRow> {
 /// The columns selected for [`key_record`] (PostgreSQL casts them to SQLite's types).
 pub const KEY_COLUMNS_SQLITE: &str =
     "upstream, scope, key, fingerprint, route, entities, state, owner, lease_until, \
-     epoch, attempts, status, headers, body, created_at, updated_at, expires_at";
+     epoch, attempts, status, headers, body, enc_key, created_at, updated_at, expires_at";
 pub const KEY_COLUMNS_PG: &str = "upstream, scope, key, fingerprint, route, entities::text AS entities, state, owner, \
-     lease_until, epoch, attempts, status::bigint AS status, headers, body, created_at, updated_at, expires_at";
+     lease_until, epoch, attempts, status::bigint AS status, headers, body, enc_key, created_at, updated_at, expires_at";
 pub const AUDIT_COLUMNS_SQLITE: &str =
     "at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
      total_ms, lock_wait_ms, upstream_ms, expires_at";

@@ -17,7 +17,7 @@ pub const RESERVE_SET: &str = "fingerprint = excluded.fingerprint, route = exclu
      entities = excluded.entities, state = 'in_flight', owner = excluded.owner, \
      lease_until = excluded.lease_until, epoch = idem_keys.epoch + 1, \
      attempts = idem_keys.attempts + 1, updated_at = excluded.updated_at, \
-     status = NULL, headers = NULL, body = NULL, expires_at = NULL";
+     status = NULL, headers = NULL, body = NULL, enc_key = NULL, expires_at = NULL";
 
 /// When a reservation may take a record that stands: released, or completed past its
 /// retention — and, when the upstream dedupes by our key (`take_unknown`, an SQL boolean

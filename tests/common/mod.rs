@@ -10,10 +10,13 @@
 //! * [`tls`] — a CA and a `localhost`/`127.0.0.1` leaf generated at test time, and rustls configs.
 //! * [`client`] — a small HTTP client (`send`, `request`, `post_json`, h2c, raw TCP).
 //! * [`proxy`] — [`TestDir`] and [`TestProxy`]: the proxy started in-process on a temp SQLite store.
+//! * [`backend`] — [`backend::Backend`]: SQLite or PostgreSQL for one test, and a raw look at
+//!   the bytes it holds.
 //! * [`pg`] — [`pg::PgServer`]: a real PostgreSQL (private throwaway cluster or `IDEMPROXY_TEST_PG_URL`).
 //! * [`process`] — [`ProxyProcess`]: the real `idemproxy serve` binary, for kill/restart tests.
 #![allow(dead_code)]
 
+pub mod backend;
 pub mod client;
 mod message;
 pub mod pg;

@@ -2,6 +2,7 @@
 //! every outcome without entity effects in one update, each over `UNNEST`ed arrays.
 
 use super::*;
+use crate::store::seal::Cipher;
 use crate::store::FinishColumns;
 use std::collections::{HashMap, HashSet};
 
@@ -12,6 +13,7 @@ pub(super) type Finishing = (ScopedKey, i64, FinishColumns);
 pub(super) async fn reserve_many(
     pool: &PgPool,
     clock: &Clock,
+    cipher: Option<&Cipher>,
     rs: Vec<Reservation>,
 ) -> StoreResult<Vec<Reserved>> {
     let mut out: Vec<Option<Reserved>> = rs.iter().map(|_| None).collect();
@@ -84,14 +86,19 @@ pub(super) async fn reserve_many(
     for (r, got) in rs.iter().zip(out) {
         reserved.push(match got {
             Some(owned) => owned,
-            None => Reserved::Existing(Box::new(existing(pool, clock, &r.id).await?)),
+            None => Reserved::Existing(Box::new(existing(pool, clock, cipher, &r.id).await?)),
         });
     }
     Ok(reserved)
 }
 
-async fn existing(pool: &PgPool, clock: &Clock, id: &ScopedKey) -> StoreResult<KeyRecord> {
-    super::keys::record(pool, clock, id)
+async fn existing(
+    pool: &PgPool,
+    clock: &Clock,
+    cipher: Option<&Cipher>,
+    id: &ScopedKey,
+) -> StoreResult<KeyRecord> {
+    super::keys::record(pool, clock, cipher, id)
         .await?
         .ok_or_else(|| StoreError::Corrupt("the key vanished while it was being reserved".into()))
 }
@@ -120,15 +127,16 @@ pub(super) async fn store_outcomes<'e>(
     let statuses: Vec<Option<i32>> = fs.iter().map(|(_, _, c)| c.status.map(i32::from)).collect();
     let headers: Vec<Option<&[u8]>> = fs.iter().map(|(_, _, c)| c.headers.as_deref()).collect();
     let bodies: Vec<Option<&[u8]>> = fs.iter().map(|(_, _, c)| c.body.as_deref()).collect();
+    let enc_keys: Vec<Option<&str>> = fs.iter().map(|(_, _, c)| c.enc_key.as_deref()).collect();
     let expiries: Vec<Option<i64>> = fs
         .iter()
         .map(|(_, _, c)| c.expires_at.map(|t| clock.to_db(t)))
         .collect();
     let rows = sqlx::query(&format!(
         "WITH u AS (UPDATE idem_keys k SET state = v.st, status = v.status, headers = v.h, body = v.b, \
-           expires_at = v.x, owner = NULL, updated_at = {NOW} \
-         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::text[], $6::int4[], $7::bytea[], $8::bytea[], $9::int8[]) \
-           AS v(u, s, k, epoch, st, status, h, b, x) \
+           expires_at = v.x, enc_key = v.ek, owner = NULL, updated_at = {NOW} \
+         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::text[], $6::int4[], $7::bytea[], $8::bytea[], $9::int8[], $10::text[]) \
+           AS v(u, s, k, epoch, st, status, h, b, x, ek) \
          WHERE k.upstream = v.u AND k.scope = v.s AND k.key = v.k AND k.state = 'in_flight' AND k.epoch = v.epoch \
          RETURNING k.upstream, k.scope, k.key) \
          SELECT upstream, scope, key, pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u"
@@ -142,6 +150,7 @@ pub(super) async fn store_outcomes<'e>(
     .bind(headers)
     .bind(bodies)
     .bind(expiries)
+    .bind(enc_keys)
     .fetch_all(db)
     .await?;
     let mut owned = vec![false; fs.len()];

@@ -7,6 +7,7 @@ use super::*;
 pub(super) async fn record(
     pool: &PgPool,
     clock: &Clock,
+    cipher: Option<&crate::store::seal::Cipher>,
     id: &ScopedKey,
 ) -> StoreResult<Option<KeyRecord>> {
     let row = sqlx::query(&format!(
@@ -17,19 +18,19 @@ pub(super) async fn record(
     .bind(&id.key)
     .fetch_optional(pool)
     .await?;
-    Ok(clock.records(row.as_slice())?.pop())
+    Ok(clock.records(row.as_slice(), cipher)?.pop())
 }
 
 #[async_trait]
 impl Keys for PgStore {
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
-        record(&self.pool, &self.clock, id).await
+        record(&self.pool, &self.clock, self.cipher.as_deref(), id).await
     }
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
         self.reserves.call(r).await
     }
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        let c = outcome.into_columns();
+        let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
         if c.effects.is_empty() {
             return self.finishes.call((id.clone(), epoch, c)).await;
         }
@@ -85,7 +86,7 @@ impl Keys for PgStore {
         .bind(key)
         .fetch_all(&self.pool)
         .await?;
-        self.clock.records(&rows)
+        self.clock.records(&rows, self.cipher.as_deref())
     }
     async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
         let rows = sqlx::query(&format!(
@@ -101,7 +102,7 @@ impl Keys for PgStore {
         .bind(if f.limit > 0 { f.limit } else { 100 })
         .fetch_all(&self.pool)
         .await?;
-        self.clock.records(&rows)
+        self.clock.records(&rows, self.cipher.as_deref())
     }
     fn observe_releases(&self, f: ReleaseObserver) {
         self.hub.set_observer(f);

@@ -51,6 +51,8 @@ pub struct PgStore {
     listener: tokio::task::JoinHandle<()>,
     clock: Clock,
     clock_task: tokio::task::JoinHandle<()>,
+    /// Seals answers before they are stored, opens them when read (see [`super::seal`]).
+    cipher: SharedCipher,
 }
 
 /// This replica's reading of the database clock: `offset` is database time minus local time
@@ -95,15 +97,20 @@ impl Clock {
         r
     }
 
-    fn records(&self, rows: &[sqlx::postgres::PgRow]) -> StoreResult<Vec<KeyRecord>> {
+    /// Rows as records on the local clock, their answers opened with `cipher`.
+    fn records(
+        &self,
+        rows: &[sqlx::postgres::PgRow],
+        cipher: Option<&super::seal::Cipher>,
+    ) -> StoreResult<Vec<KeyRecord>> {
         rows.iter()
-            .map(|row| rows::key_record(row).map(|r| self.record(r)))
+            .map(|row| rows::key_record(row, cipher).map(|r| self.record(r)))
             .collect()
     }
 }
 
 impl PgStore {
-    pub async fn open(url: &str) -> StoreResult<PgStore> {
+    pub async fn open(url: &str, cipher: SharedCipher) -> StoreResult<PgStore> {
         // A dead or hung database must turn into 503 store_unavailable within seconds.
         let opts = PgConnectOptions::from_str(url)?.options([("statement_timeout", "5000")]);
         let pool = PgPoolOptions::new()
@@ -129,10 +136,10 @@ impl PgStore {
             })
         };
         let reserves = {
-            let (pool, clock) = (pool.clone(), clock.clone());
+            let (pool, clock, cipher) = (pool.clone(), clock.clone(), cipher.clone());
             batch::Batcher::start(move |rs| {
-                let (pool, clock) = (pool.clone(), clock.clone());
-                async move { batched::reserve_many(&pool, &clock, rs).await }
+                let (pool, clock, cipher) = (pool.clone(), clock.clone(), cipher.clone());
+                async move { batched::reserve_many(&pool, &clock, cipher.as_deref(), rs).await }
             })
         };
         let finishes = {
@@ -150,6 +157,7 @@ impl PgStore {
             listener,
             clock,
             clock_task,
+            cipher,
         })
     }
 }

@@ -5,6 +5,7 @@
 
 use super::entities::apply_effects;
 use super::*;
+use crate::store::seal::Cipher;
 use sqlx::{QueryBuilder, Row, Sqlite, SqliteConnection};
 
 /// Rows per statement: SQLite binds at most 32766 variables.
@@ -22,6 +23,7 @@ pub async fn reserve_many(
     conn: &mut SqliteConnection,
     rs: &[Reservation],
     now: i64,
+    cipher: Option<&Cipher>,
 ) -> StoreResult<Vec<Reserved>> {
     let mut out: Vec<Option<Reserved>> = rs.iter().map(|_| None).collect();
     // Taking over unknown outcomes is a per-request choice: one statement per choice.
@@ -75,7 +77,7 @@ pub async fn reserve_many(
     for (r, got) in rs.iter().zip(out) {
         reserved.push(match got {
             Some(owned) => owned,
-            None => Reserved::Existing(Box::new(existing(conn, &r.id).await?)),
+            None => Reserved::Existing(Box::new(existing(conn, &r.id, cipher).await?)),
         });
     }
     Ok(reserved)
@@ -84,6 +86,7 @@ pub async fn reserve_many(
 async fn existing(
     conn: &mut SqliteConnection,
     id: &ScopedKey,
+    cipher: Option<&Cipher>,
 ) -> StoreResult<crate::store::KeyRecord> {
     let row = sqlx::query(&format!(
         "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ? AND scope = ? AND key = ?"
@@ -93,26 +96,22 @@ async fn existing(
     .bind(&id.key)
     .fetch_one(&mut *conn)
     .await?;
-    rows::key_record(&row)
+    rows::key_record(&row, cipher)
 }
 
 /// Stores every outcome whose epoch still owns its key; `false` for the fenced ones. Effects
 /// (versions, claims) follow for the stored 2xx answers.
 pub async fn finish_many(
     conn: &mut SqliteConnection,
-    fs: Vec<(ScopedKey, i64, Finish)>,
+    fs: Vec<(ScopedKey, i64, FinishColumns)>,
     now: i64,
 ) -> StoreResult<Vec<bool>> {
-    let fs: Vec<_> = fs
-        .into_iter()
-        .map(|(id, epoch, f)| (id, epoch, f.into_columns()))
-        .collect();
     let mut owned = vec![false; fs.len()];
     let idx: Vec<usize> = (0..fs.len()).collect();
     for chunk in idx.chunks(CHUNK) {
         let mut qb = QueryBuilder::<Sqlite>::new(
             "UPDATE idem_keys SET state = v.column5, status = v.column6, headers = v.column7, body = v.column8, \
-             expires_at = v.column9, owner = NULL, updated_at = ",
+             expires_at = v.column9, enc_key = v.column10, owner = NULL, updated_at = ",
         );
         qb.push_bind(now).push(" FROM (");
         qb.push_values(chunk, |mut b, &i| {
@@ -125,7 +124,8 @@ pub async fn finish_many(
                 .push_bind(c.status.map(i64::from))
                 .push_bind(c.headers.as_deref())
                 .push_bind(c.body.as_deref())
-                .push_bind(c.expires_at);
+                .push_bind(c.expires_at)
+                .push_bind(c.enc_key.as_deref());
         });
         qb.push(
             ") AS v WHERE idem_keys.upstream = v.column1 AND idem_keys.scope = v.column2 \
@@ -200,13 +200,18 @@ impl Keys for SqliteStore {
         .bind(&id.key)
         .fetch_optional(&self.reads)
         .await?;
-        row.as_ref().map(rows::key_record).transpose()
+        let cipher = self.cipher.as_deref();
+        row.as_ref()
+            .map(|r| rows::key_record(r, cipher))
+            .transpose()
     }
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
         self.writer.reserve(r).await
     }
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        self.writer.finish(id.clone(), epoch, outcome).await
+        // Sealed here, on the request's task: the one writer task only runs SQL.
+        let columns = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
+        self.writer.finish(id.clone(), epoch, columns).await
     }
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
         let id = id.clone();
@@ -238,7 +243,9 @@ impl Keys for SqliteStore {
         .bind(key)
         .fetch_all(&self.reads)
         .await?;
-        rows.iter().map(rows::key_record).collect()
+        rows.iter()
+            .map(|r| rows::key_record(r, self.cipher.as_deref()))
+            .collect()
     }
     async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
         let rows = sqlx::query(&format!(
@@ -254,6 +261,8 @@ impl Keys for SqliteStore {
         .bind(now_ms())
         .fetch_all(&self.reads)
         .await?;
-        rows.iter().map(rows::key_record).collect()
+        rows.iter()
+            .map(|r| rows::key_record(r, self.cipher.as_deref()))
+            .collect()
     }
 }

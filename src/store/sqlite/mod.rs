@@ -40,15 +40,28 @@ pub struct SqliteStore {
     observer: releases::Observer,
     /// Stops the serving process's reader of release notes.
     stop: tokio_util::sync::CancellationToken,
+    /// Seals answers before they go to the writer, opens them when read (see [`super::seal`]).
+    cipher: SharedCipher,
 }
 
 impl SqliteStore {
-    pub async fn open(url: &str, _lease: Duration, exclusive: bool) -> StoreResult<SqliteStore> {
-        let opts = SqliteConnectOptions::from_str(url)?
+    pub async fn open(
+        url: &str,
+        _lease: Duration,
+        exclusive: bool,
+        cipher: SharedCipher,
+    ) -> StoreResult<SqliteStore> {
+        let mut opts = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(5));
+        if cipher.is_some() {
+            // Deleted rows (purged keys, answers replaced by a new attempt) are zeroed where
+            // that costs no extra I/O, so clear answers written before encryption was turned
+            // on do not linger in free pages once purged.
+            opts = opts.pragma("secure_delete", "FAST");
+        }
         owner_only(opts.get_filename())?;
         let lock = if exclusive {
             Some(lock_file(opts.get_filename())?)
@@ -73,7 +86,7 @@ impl SqliteStore {
                 .execute(&mut conn)
                 .await?;
         }
-        let writer = Arc::new(Writer::start(conn));
+        let writer = Arc::new(Writer::start(conn, cipher.clone()));
         let observer = releases::Observer::default();
         let stop = tokio_util::sync::CancellationToken::new();
         if exclusive {
@@ -91,6 +104,7 @@ impl SqliteStore {
             db: opts.get_filename().to_owned(),
             observer,
             stop,
+            cipher,
         })
     }
 }

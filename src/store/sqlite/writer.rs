@@ -4,7 +4,10 @@
 //! hear back only after the `COMMIT` — so a result is never acted on before it is durable —
 //! while every job queued meanwhile shares that one commit and its fsync.
 
-use crate::store::{AuditRow, Finish, Reservation, Reserved, ScopedKey, StoreError, StoreResult};
+use crate::store::{
+    AuditRow, FinishColumns, Reservation, Reserved, ScopedKey, SharedCipher, StoreError,
+    StoreResult,
+};
 use sqlx::{Connection, SqliteConnection};
 use std::future::Future;
 use std::pin::Pin;
@@ -44,7 +47,8 @@ enum Msg {
     Job(Job),
     /// The writes every request makes, aggregated per batch into one statement each.
     Reserve(Reservation, Reply<Reserved>),
-    Finish(ScopedKey, i64, Finish, Reply<bool>),
+    /// Already sealed by the caller (encryption runs on the request's task, not here).
+    Finish(ScopedKey, i64, FinishColumns, Reply<bool>),
     Audit(Vec<AuditRow>, Reply<()>),
     /// Stop after this batch (sent by `close`, once requests are done).
     Close(oneshot::Sender<()>),
@@ -57,9 +61,10 @@ pub struct Writer {
 }
 
 impl Writer {
-    pub fn start(conn: SqliteConnection) -> Writer {
+    /// Starts the task; `cipher` opens the records a reservation finds standing.
+    pub fn start(conn: SqliteConnection, cipher: SharedCipher) -> Writer {
         let (tx, rx) = mpsc::channel(8192);
-        let task = tokio::spawn(run(conn, rx));
+        let task = tokio::spawn(run(conn, rx, cipher));
         Writer {
             tx,
             task: std::sync::Mutex::new(Some(task)),
@@ -84,7 +89,7 @@ impl Writer {
         self.send(|reply| Msg::Reserve(r, reply)).await
     }
 
-    pub async fn finish(&self, id: ScopedKey, epoch: i64, f: Finish) -> StoreResult<bool> {
+    pub async fn finish(&self, id: ScopedKey, epoch: i64, f: FinishColumns) -> StoreResult<bool> {
         self.send(|reply| Msg::Finish(id, epoch, f, reply)).await
     }
 
@@ -120,7 +125,7 @@ fn stopped() -> StoreError {
 #[derive(Default)]
 struct Batch {
     reserves: Vec<(Reservation, Reply<Reserved>)>,
-    finishes: Vec<(ScopedKey, i64, Finish, Reply<bool>)>,
+    finishes: Vec<(ScopedKey, i64, FinishColumns, Reply<bool>)>,
     audits: Vec<(Vec<AuditRow>, Reply<()>)>,
     jobs: Vec<Job>,
 }
@@ -134,7 +139,7 @@ impl Batch {
     }
 }
 
-async fn run(mut conn: SqliteConnection, mut rx: mpsc::Receiver<Msg>) {
+async fn run(mut conn: SqliteConnection, mut rx: mpsc::Receiver<Msg>, cipher: SharedCipher) {
     let mut msgs = Vec::with_capacity(MAX_BATCH);
     while rx.recv_many(&mut msgs, MAX_BATCH).await > 0 {
         let mut batch = Batch::default();
@@ -149,7 +154,7 @@ async fn run(mut conn: SqliteConnection, mut rx: mpsc::Receiver<Msg>) {
             }
         }
         if !batch.is_empty() {
-            run_batch(&mut conn, batch).await;
+            run_batch(&mut conn, batch, cipher.as_deref()).await;
         }
         if let Some(tx) = closing {
             let _ = tx.send(());
@@ -178,7 +183,11 @@ fn deliver_all<T: Send + 'static>(
 
 /// Runs a batch in one transaction: one statement per kind of request write, then the other
 /// jobs. Callers hear back only after the commit.
-async fn run_batch(conn: &mut SqliteConnection, batch: Batch) {
+async fn run_batch(
+    conn: &mut SqliteConnection,
+    batch: Batch,
+    cipher: Option<&crate::store::seal::Cipher>,
+) {
     if let Err(e) = sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await {
         // Dropping the batch unrun drops its replies: every caller gets an error.
         tracing::error!(error = %e, "SQLite cannot begin a write");
@@ -195,7 +204,7 @@ async fn run_batch(conn: &mut SqliteConnection, batch: Batch) {
     let mut done: Vec<Delivery> = Vec::new();
     if !batch.reserves.is_empty() {
         let (rs, replies): (Vec<_>, Vec<_>) = batch.reserves.into_iter().unzip();
-        let res = super::keys::reserve_many(conn, &rs, now).await;
+        let res = super::keys::reserve_many(conn, &rs, now, cipher).await;
         deliver_all(replies, res, &mut done);
     }
     if !batch.finishes.is_empty() {
