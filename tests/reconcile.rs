@@ -5,6 +5,7 @@
 //! same after a `kill -9` mid-call. Every case counts the writes the upstream received.
 
 mod common;
+use common::backend::Backend;
 use common::pg::PgServer;
 use common::*;
 
@@ -126,7 +127,11 @@ fn config(upstream: &RecordingUpstream, store: &str) -> String {
 }
 
 async fn create(proxy_url: &str, email: &str) -> Resp {
-    let body = json!({"properties": {"email": email, "firstname": "Ada"}});
+    create_named(proxy_url, email, "Ada").await
+}
+
+async fn create_named(proxy_url: &str, email: &str, firstname: &str) -> Resp {
+    let body = json!({"properties": {"email": email, "firstname": firstname}});
     post_json(proxy_url, None, &body, &[("authorization", "Bearer t")]).await
 }
 
@@ -406,4 +411,57 @@ async fn a_kill_mid_call_is_reconciled_on_retry_on_postgres() {
         return;
     };
     killed_mid_call(&pg.store_toml()).await;
+}
+
+/// With encryption at rest, a reconciled answer is stored sealed like any other: its data never
+/// reaches the store's bytes, and it replays from the store after a restart.
+async fn reconciled_answers_are_sealed(pg: bool) {
+    const MARK: &str = "Reconciled-marker-41c7";
+    let Some(backend) = Backend::start(pg).await else {
+        return;
+    };
+    let crm = Crm::default();
+    let upstream = crm.clone().start().await;
+    let url_line = match &backend {
+        Backend::Sqlite => String::new(),
+        Backend::Pg(pg) => format!("url = \"{}\"\n", pg.url),
+    };
+    use base64::Engine as _;
+    let key = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
+    let store = format!("[store]\n{url_line}encryption_key = \"{key}\"\n");
+    let proxy = TestProxy::start(&config(&upstream, &store)).await;
+    let url = proxy.url("/api/crm/v3/objects/contacts");
+    crm.script(&[Write::LandLost]);
+    let first = create_named(&url, "sealed@example.com", MARK).await;
+    first.assert_status(200);
+    assert_eq!(first.header("idemproxy-reconciled"), Some("true"));
+    assert!(first.text().contains(MARK));
+    let places = backend.places_holding(&proxy.dir, MARK).await;
+    assert!(
+        places.is_empty(),
+        "the reconciled answer in clear in {places:?}"
+    );
+    let proxy = proxy.restart().await;
+    let url = proxy.url("/api/crm/v3/objects/contacts");
+    let retry = create_named(&url, "sealed@example.com", MARK).await;
+    assert_eq!(retry.replayed(), Some(true));
+    assert_eq!(retry.header("idemproxy-reconciled"), Some("true"));
+    assert_eq!(retry.body, first.body);
+    assert_eq!(posts(&upstream, "sealed@example.com"), 1);
+    let dir = proxy.shutdown().await;
+    let places = backend.places_holding(&dir, MARK).await;
+    assert!(
+        places.is_empty(),
+        "the reconciled answer in clear in {places:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciled_answers_are_sealed_on_sqlite() {
+    reconciled_answers_are_sealed(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciled_answers_are_sealed_on_postgres() {
+    reconciled_answers_are_sealed(true).await;
 }
