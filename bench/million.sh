@@ -78,7 +78,7 @@ INSERT INTO idem_keys (upstream, scope, key, fingerprint, route, entities, state
   attempts, status, headers, body, created_at, updated_at, expires_at)
 SELECT 'api', probe.scope, 'pre-' || i, probe.fingerprint, 'charges', '[]', 'completed', 0, 1, 1, 200,
   probe.headers, probe.body, 0, 0,
-  CASE WHEN i % 20 = 0 THEN 1 ELSE 9999999999999 END FROM n, probe;
+  CASE WHEN i % 20 = 0 THEN ${EXPIRED_AT:-1} ELSE 9999999999999 END FROM n, probe;
 WITH RECURSIVE n(i) AS (SELECT $1 UNION ALL SELECT i + 1 FROM n WHERE i < $2)
 INSERT INTO idem_entities (entity, version, updated_at) SELECT 'customer:' || i || '@0123456789abcdef', i, 0 FROM n;
 COMMIT;
@@ -88,6 +88,8 @@ SQL
 }
 window() { # label: first writes at 4 connections for WINDOW seconds (a purge runs every 60 s)
   local out
+  # A short warm-up first (connection pools, prepared statements), not counted.
+  wrk -t2 -c4 -d3s -s bench/first_write.lua "http://127.0.0.1:$PROXY/api/v1/charges" >/dev/null
   out=$(wrk -t2 -c4 -d"${WINDOW}s" --latency -s bench/first_write.lua "http://127.0.0.1:$PROXY/api/v1/charges")
   printf '%-28s %9s req/s   p99 %9s   max %9s   RSS %s\n' "$1" \
     "$(echo "$out" | awk '/Requests\/sec/ {print $2}')" "$(echo "$out" | awk '$1=="99%" {print $2}')" \
