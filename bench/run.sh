@@ -8,6 +8,9 @@
 #                   at CONN connections and at 1 connection (p50 beside the upstream's own),
 #   - first write with an entity per customer (adds the entity lock), SQLite.
 # Usage: bench/run.sh [seconds] [connections]. Needs wrk and nginx (apt-get install wrk nginx).
+# STORE_EXTRA adds lines to both proxies' [store] table, e.g.
+#   STORE_EXTRA="encryption_key = \"$(openssl rand -base64 32)\"" bench/run.sh
+# to measure with stored answers encrypted.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${1:-8}
@@ -80,7 +83,8 @@ path = "/v2/charges"
 entity = "customer:{body.customer}"
 TOML
 }
-proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$WORK/idemproxy.db\"" > "$WORK/proxy.toml"
+proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$WORK/idemproxy.db\"
+${STORE_EXTRA:-}" > "$WORK/proxy.toml"
 
 cargo build --release -q
 serve() { # name config admin-port
@@ -97,7 +101,8 @@ if [ -x "$PG_BIN/initdb" ] && id postgres >/dev/null 2>&1; then
   runuser -u postgres -- "$PG_BIN/pg_ctl" -D "$WORK/pg" -l "$WORK/pg/server.log" -w \
     -o "-p $PGPORT -k $WORK/pg -c listen_addresses=127.0.0.1" start >/dev/null
   proxy_toml "$PGPROXY" "$PGADMIN" "url = \"postgres://postgres@127.0.0.1:$PGPORT/postgres\"
-scope_secret = \"bench-secret-0123456789abcdef0123456789\"" > "$WORK/pg.toml"
+scope_secret = \"bench-secret-0123456789abcdef0123456789\"
+${STORE_EXTRA:-}" > "$WORK/pg.toml"
   serve idemproxy-pg "$WORK/pg.toml" "$PGADMIN"
   HAVE_PG=1
 fi
