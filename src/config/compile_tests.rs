@@ -183,9 +183,9 @@ reconcile = { path = "/contacts/{body.email}?idProperty=email", expect = { "body
     assert_eq!(rc.method, Method::GET);
     assert_eq!(rc.after, Duration::from_secs(1));
     assert!(r.needs_body);
-    // In field order: `body.n` (a value as written), `body.properties` (a template).
+    // In field order: `body.n` (a value as written), `body.properties` (one body field).
     assert!(matches!(rc.expect[0].1, Expected::Value(_)));
-    assert!(matches!(rc.expect[1].1, Expected::Template(_)));
+    assert!(matches!(rc.expect[1].1, Expected::Field { .. }));
 }
 
 #[test]
@@ -215,6 +215,15 @@ fn reconcile_mistakes_are_located() {
         ),
         (r#"{ path = "/c/{path.id}", after = "soon" }"#, "soon"),
         (r#"{ path = "/c/{path.id}", bogus = 1 }"#, "bogus"),
+        (r#"{ path = "/c/{path.id}", found = [] }"#, "found is empty"),
+        (
+            r#"{ method = "OPTIONS", path = "/c/{path.id}" }"#,
+            "GET or HEAD",
+        ),
+        (
+            r#"{ method = "HEAD", path = "/c/{path.id}", expect = { "body.a" = 1 } }"#,
+            "use GET",
+        ),
     ];
     for (rc, want) in cases {
         let e = first_error(&route(rc));
@@ -225,4 +234,31 @@ fn reconcile_mistakes_are_located() {
         "name = \"r\"\nupstream = \"api\"\nmethods = [\"POST\"]\npath = \"/s\"\nread_only = true\nreconcile = { path = \"/s\" }",
     ));
     assert!(e.contains("reconcile"), "{e}");
+}
+
+#[test]
+fn reconcile_expectations_never_read_what_the_fingerprint_ignores() {
+    let route = |expect: &str| {
+        with_route(&format!(
+            "name = \"r\"\nupstream = \"api\"\nmethods = [\"PATCH\"]\npath = \"/c/{{id}}\"\n\
+             fingerprint = {{ ignore = [\"body.properties.synced_at\"] }}\n\
+             reconcile = {{ path = \"/c/{{path.id}}\", not_found = [], expect = {{ {expect} }} }}"
+        ))
+    };
+    let e = first_error(&route(r#""body.s" = "{body.properties.synced_at}""#));
+    assert!(e.contains("fingerprint.ignore"), "{e}");
+    let cfg = compile_str(&route(r#""body.properties" = "{body.properties}""#)).unwrap();
+    let rc = cfg.routes[0].reconcile.as_ref().unwrap();
+    assert!(
+        rc.not_found.is_empty(),
+        "not_found = [] releases on no answer"
+    );
+    match &rc.expect[0].1 {
+        Expected::Field { path, strip } => {
+            assert_eq!(path.to_string(), "properties");
+            assert_eq!(strip.len(), 1);
+            assert_eq!(strip[0].to_string(), "synced_at");
+        }
+        other => panic!("{other:?}"),
+    }
 }

@@ -22,6 +22,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+pub use units::redact_url;
 
 /// The validated configuration.
 #[derive(Debug)]
@@ -207,6 +208,13 @@ pub struct Reconcile {
 pub enum Expected {
     Value(serde_json::Value),
     Template(Template),
+    /// Exactly one body field (`"{body.properties}"`): its JSON value, objects too, less the
+    /// parts `fingerprint.ignore` leaves out (`strip`, relative to the field), so every retry
+    /// of the write asks the same question.
+    Field {
+        path: BodyPath,
+        strip: Vec<BodyPath>,
+    },
 }
 
 #[derive(Debug)]
@@ -237,37 +245,6 @@ pub struct Route {
     /// A read sent as POST (a search, a batch read): never keyed, locked or recorded;
     /// streamed through like a GET.
     pub read_only: bool,
-}
-
-/// A store URL fit for logs and errors: the password, if any, is masked.
-pub fn redact_url(url: &str) -> String {
-    let Ok(mut parsed) = url::Url::parse(url) else {
-        // Unparseable: show the scheme only, in case the rest holds a secret.
-        return match url.find("://") {
-            Some(i) => format!("{}://***", &url[..i]),
-            None => "***".into(),
-        };
-    };
-    if parsed.password().is_some() {
-        let _ = parsed.set_password(Some("***"));
-    }
-    let secret =
-        |k: &str| k.eq_ignore_ascii_case("password") || k.eq_ignore_ascii_case("sslpassword");
-    if parsed.query_pairs().any(|(k, _)| secret(&k)) {
-        let pairs: Vec<(String, String)> = parsed
-            .query_pairs()
-            .map(|(k, v)| {
-                let v = if secret(&k) {
-                    "***".to_owned()
-                } else {
-                    v.into_owned()
-                };
-                (k.into_owned(), v)
-            })
-            .collect();
-        parsed.query_pairs_mut().clear().extend_pairs(pairs);
-    }
-    parsed.to_string()
 }
 
 /// Every problem found in a config file, each as `file:line:col: message`.

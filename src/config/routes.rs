@@ -192,7 +192,7 @@ pub(super) fn route(
     let reconcile = r
         .reconcile
         .as_ref()
-        .and_then(|p| reconcile(cx, &name, p, &mut check));
+        .and_then(|p| reconcile(cx, &name, p, &mut check, &fingerprint.ignore));
     let retention = r
         .retention
         .as_ref()

@@ -19,7 +19,19 @@ pub(super) fn precheck(
     let p = sp.get_ref();
     let method = read_method(cx, name, "precheck", &p.method)?;
     let path = check(cx, "precheck.path", &p.path, true, false)?;
-    let expect_status = statuses(cx, &p.expect_status, &[200]);
+    let expect_status = statuses(cx, &p.expect_status).unwrap_or_else(|| vec![200]);
+    let expect_status = match expect_status.is_empty() {
+        true => vec![200],
+        false => expect_status,
+    };
+    no_body_to_check(
+        cx,
+        name,
+        "precheck",
+        &method,
+        !p.expect.is_empty(),
+        sp.span(),
+    );
     let mut expect = Vec::new();
     for (field, value) in &p.expect {
         let json = serde_json::to_value(value.get_ref()).ok();
@@ -35,17 +47,34 @@ pub(super) fn precheck(
     })
 }
 
+/// `ignored`: the route's `fingerprint.ignore`, which an expectation must not depend on.
 pub(super) fn reconcile(
     cx: &mut Ctx,
     name: &str,
     sp: &Spanned<RawReconcile>,
     check: &mut Check,
+    ignored: &[BodyPath],
 ) -> Option<Reconcile> {
     let r = sp.get_ref();
     let method = read_method(cx, name, "reconcile", &r.method)?;
     let path = check(cx, "reconcile.path", &r.path, true, false)?;
-    let found = statuses(cx, &r.found, &[200]);
-    let not_found = statuses(cx, &r.not_found, &[404]);
+    no_body_to_check(
+        cx,
+        name,
+        "reconcile",
+        &method,
+        !r.expect.is_empty(),
+        sp.span(),
+    );
+    let found = statuses(cx, &r.found).unwrap_or_else(|| vec![200]);
+    if found.is_empty() {
+        cx.err(
+            sp.span(),
+            format!("route {name:?}: reconcile.found is empty: no answer could ever say the write happened"),
+        );
+    }
+    // Empty is meaningful: no answer releases the key (it is found, or stays unknown).
+    let not_found = statuses(cx, &r.not_found).unwrap_or_else(|| vec![404]);
     if let Some(both) = found.iter().find(|s| not_found.contains(s)) {
         cx.err(
             sp.span(),
@@ -76,7 +105,8 @@ pub(super) fn reconcile(
             // Text may name fields of the original request: `"{body.properties.firstname}"`.
             toml::Value::String(s) => {
                 let text = Spanned::new(value.span(), s.clone());
-                check(cx, "reconcile.expect", &text, true, false).map(Expected::Template)
+                check(cx, "reconcile.expect", &text, true, false)
+                    .and_then(|t| expected(cx, name, t, ignored, value.span()))
             }
             other => serde_json::to_value(other).ok().map(Expected::Value),
         };
@@ -95,6 +125,39 @@ pub(super) fn reconcile(
     })
 }
 
+/// A template expectation, checked against `fingerprint.ignore`: retries of one write share a
+/// fingerprint, not the fields it ignores, so an expectation that reads such a field would ask
+/// each retry another question (and a create might be sent twice). One that *contains* ignored
+/// fields (`{body.properties}` with `body.properties.last_synced_at` ignored) leaves them out.
+fn expected(
+    cx: &mut Ctx,
+    name: &str,
+    t: Template,
+    ignored: &[BodyPath],
+    span: std::ops::Range<usize>,
+) -> Option<Expected> {
+    let covered = |p: &BodyPath| ignored.iter().any(|ig| p.0.starts_with(&ig.0));
+    if let Some(p) = t.sources().find_map(|s| match s {
+        Source::Body(p) if covered(p) => Some(p.clone()),
+        _ => None,
+    }) {
+        cx.err(
+            span,
+            format!("route {name:?}: reconcile.expect reads {{body.{p}}}, which fingerprint.ignore leaves out: retries of one write could expect different values"),
+        );
+        return None;
+    }
+    let Some(path) = t.only_body_field().cloned() else {
+        return Some(Expected::Template(t));
+    };
+    let strip = ignored
+        .iter()
+        .filter(|ig| ig.0.len() > path.0.len() && ig.0.starts_with(&path.0))
+        .map(|ig| BodyPath(ig.0[path.0.len()..].to_vec()))
+        .collect();
+    Some(Expected::Field { path, strip })
+}
+
 impl Reconcile {
     /// Whether its path or expectations read the request body (which must then parse).
     pub fn reads_body(&self) -> bool {
@@ -102,19 +165,21 @@ impl Reconcile {
         self.path.uses(body)
             || self.expect.iter().any(|(_, e)| match e {
                 Expected::Template(t) => t.uses(body),
+                Expected::Field { .. } => true,
                 Expected::Value(_) => false,
             })
     }
 }
 
-/// GET unless said otherwise; only safe methods: these reads must change nothing.
+/// GET unless said otherwise, or HEAD: these reads must change nothing and answer with the
+/// resource (OPTIONS and TRACE say nothing of it).
 fn read_method(cx: &mut Ctx, name: &str, what: &str, m: &Option<Str>) -> Option<Method> {
     let Some(m) = m else {
         return Some(Method::GET);
     };
     let s = cx.s(m)?.to_ascii_uppercase();
     match Method::from_bytes(s.as_bytes()) {
-        Ok(m) if m.is_safe() => Some(m),
+        Ok(m) if m == Method::GET || m == Method::HEAD => Some(m),
         _ => {
             cx.err(
                 m.span(),
@@ -125,8 +190,26 @@ fn read_method(cx: &mut Ctx, name: &str, what: &str, m: &Option<Str>) -> Option<
     }
 }
 
-/// A list of HTTP statuses; `default` when absent or empty.
-fn statuses(cx: &mut Ctx, v: &Option<Vec<Spanned<i64>>>, default: &[u16]) -> Vec<u16> {
+/// A HEAD answer has no body: expectations on it could never hold (on a reconcile, every
+/// write would count as not found and be sent again).
+fn no_body_to_check(
+    cx: &mut Ctx,
+    name: &str,
+    what: &str,
+    method: &Method,
+    expects: bool,
+    span: std::ops::Range<usize>,
+) {
+    if expects && method == Method::HEAD {
+        cx.err(
+            span,
+            format!("route {name:?}: {what}.expect needs a body: use GET, not HEAD"),
+        );
+    }
+}
+
+/// A list of HTTP statuses; `None` when absent.
+fn statuses(cx: &mut Ctx, v: &Option<Vec<Spanned<i64>>>) -> Option<Vec<u16>> {
     let given: Vec<u16> = v
         .iter()
         .flatten()
@@ -138,10 +221,7 @@ fn statuses(cx: &mut Ctx, v: &Option<Vec<Spanned<i64>>>, default: &[u16]) -> Vec
             }
         })
         .collect();
-    if v.as_ref().is_none_or(|v| v.is_empty()) {
-        return default.to_vec();
-    }
-    given
+    v.as_ref().map(|_| given)
 }
 
 /// An `expect` key: a `body.*` field.

@@ -1,6 +1,8 @@
 //! Step 2: the scoped key. A completed key replays (from the replay cache when it can, with no
 //! lock); another fingerprint is `422 key_reused`; a key in flight is waited for (or refused);
-//! an unknown outcome is `409 outcome_unknown` unless the upstream dedupes by our key.
+//! an unknown outcome is `409 outcome_unknown` unless the upstream dedupes by our key (then it
+//! is taken over and re-forwarded) or the route reconciles it (then it is taken over and the
+//! real system asked first, see `reconcile`).
 
 use super::Ctx;
 use crate::config::InFlight;
@@ -133,6 +135,11 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
     if state != KeyState::Released && rec.fingerprint != ctx.p.fingerprint {
         return Err(key_reused());
     }
+    let native = ctx.upstream.native_idempotency_header.is_some();
+    let reconcile = match state {
+        KeyState::Unknown if !native => super::reconcile::on_retry(ctx, rec)?,
+        _ => None,
+    };
     Ok(match state {
         KeyState::Released => Decision::Proceed {
             take_unknown: false,
@@ -149,23 +156,11 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
         },
         KeyState::InFlight if ctx.route.in_flight == InFlight::Reject => return Err(in_progress()),
         KeyState::InFlight => Decision::WaitForeign(rec.lease_until),
-        KeyState::Unknown if ctx.upstream.native_idempotency_header.is_some() => {
-            Decision::Proceed {
-                take_unknown: true,
-                reconcile: None,
-            }
-        }
-        KeyState::Unknown if let Some(wait) = super::reconcile::on_retry(ctx, rec)? => {
-            Decision::Proceed {
-                take_unknown: true,
-                reconcile: Some(wait),
-            }
-        }
-        KeyState::Unknown => return Err(ProxyError::new(
-            ErrorKind::OutcomeUnknown,
-            "an earlier attempt with this key reached the upstream but its outcome is unknown; \
-                 check the upstream, then resolve it with `idemproxy keys release KEY`",
-        )),
+        KeyState::Unknown if native || reconcile.is_some() => Decision::Proceed {
+            take_unknown: true,
+            reconcile,
+        },
+        KeyState::Unknown => return Err(outcome_unknown(None)),
     })
 }
 
@@ -191,10 +186,9 @@ async fn wait_foreign(ctx: &mut Ctx, until_ms: i64, deadline: Instant) -> ProxyR
     Ok(())
 }
 
-/// A key stored by the first release has an unkeyed scope. When the keyed scope finds no
-/// record, the old scope's record, if there is one, is this request's: an upgrade must never
-/// make a stored key look new to its own caller's retry.
-/// Called when the keyed scope found nothing; the old record, now this request's, if any.
+/// A key stored by the first release has an unkeyed scope. Called when the keyed scope found
+/// nothing: the old scope's record, if there is one, is this request's (an upgrade must never
+/// make a stored key look new to its own caller's retry).
 async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<Option<KeyRecord>> {
     let Some((scope, uncovered)) = ctx.legacy_scope.clone() else {
         return Ok(None);
@@ -227,6 +221,16 @@ fn sealed(ctx: &Ctx, e: crate::store::StoreError) -> ProxyError {
     ctx.state.stats.on_decrypt_failure();
     tracing::error!(key = %ctx.p.id.key, upstream = %ctx.p.id.upstream, error = %e, "a stored answer cannot be decrypted: refused (503), not forwarded");
     ProxyError::store("a stored answer for this key cannot be decrypted")
+}
+
+/// `409 outcome_unknown`: an earlier attempt reached the upstream and no one knows whether it
+/// happened (`why`: what the proxy tried).
+pub(super) fn outcome_unknown(why: Option<&str>) -> ProxyError {
+    let why = why.map(|w| format!(": {w}")).unwrap_or_default();
+    ProxyError::new(
+        ErrorKind::OutcomeUnknown,
+        format!("an earlier attempt with this key reached the upstream but its outcome is unknown{why}; check the upstream, then resolve it with `idemproxy keys release KEY`"),
+    )
 }
 
 fn key_reused() -> ProxyError {

@@ -349,7 +349,8 @@ pub fn prepare(
 }
 
 /// The reconcile read of this request: its path, and its expectations evaluated over the
-/// original request (so a retry, with the same fingerprint, asks the same question).
+/// original request. A retry has the same fingerprint, and expectations never read what the
+/// fingerprint ignores (checked at load), so it asks the same question.
 fn reconcile_read(rc: &Reconcile, view: &RequestView<'_>, key: &str) -> ProxyResult<ReconcileRead> {
     let path = side_read::eval_path(&rc.path, view, "reconcile", key)?;
     let expect = rc
@@ -358,24 +359,19 @@ fn reconcile_read(rc: &Reconcile, view: &RequestView<'_>, key: &str) -> ProxyRes
         .map(|(field, e)| match e {
             Expected::Value(v) => Ok(v.clone()),
             // One body field: its JSON value as the request sent it (an object: every field
-            // in it must hold).
-            Expected::Template(t) if t.only_body_field().is_some() => t
-                .only_body_field()
-                .and_then(|p| {
-                    view.body
-                        .and_then(|b| p.values(b).into_iter().next().cloned())
-                })
-                .filter(|v| !v.is_null())
-                .ok_or_else(|| {
+            // in it must hold), less what the fingerprint ignores.
+            Expected::Field { path, strip } => {
+                let value = view.body.and_then(|b| path.values(b).into_iter().next().cloned());
+                let mut value = value.filter(|v| !v.is_null()).ok_or_else(|| {
                     ProxyError::new(
                         ErrorKind::EntityMissing,
-                        format!(
-                            "reconcile.expect {field} needs {}, which the request lacks",
-                            t.text()
-                        ),
+                        format!("reconcile.expect {field} needs {{body.{path}}}, which the request lacks"),
                     )
                     .with_key(key)
-                }),
+                })?;
+                strip.iter().for_each(|p| p.remove(&mut value));
+                Ok(value)
+            }
             Expected::Template(t) => t.eval_one(view).map(Value::String).map_err(|missing| {
                 ProxyError::new(
                     ErrorKind::EntityMissing,

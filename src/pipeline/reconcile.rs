@@ -13,7 +13,7 @@ use super::outcome::Outcome;
 use super::prepare::ReconcileRead;
 use super::{checks, side_read, store, Ctx};
 use crate::config::{Mode, Reconcile};
-use crate::error::{ErrorKind, ProxyError};
+use crate::error::ProxyError;
 use crate::store::{now_ms, Finish, KeyRecord, KeyState, StoredResponse, RECONCILED};
 use std::sync::Arc;
 use std::time::Duration;
@@ -56,7 +56,7 @@ pub(super) fn on_retry(ctx: &Ctx, rec: &KeyRecord) -> Result<Option<Duration>, P
     if ctx.upstream.native_idempotency_header.is_some() {
         return Ok(None);
     }
-    match due(rec, rc.after, now_ms()) {
+    match due(rec, rc.after, ctx.upstream.timeout, now_ms()) {
         Due::Wait(wait) => Ok(Some(wait)),
         Due::TooSoon(left) => Err(unknown(
             "the last reconcile read of this key could not tell either; it is asked again at most once per `after`",
@@ -75,16 +75,21 @@ enum Due {
 }
 
 /// An unknown record waits `after` from its last change (the forward's end, or the last
-/// reconcile that could not tell); an abandoned in-flight record, `after` from the end of its
-/// dead owner's lease, waited out by the retry itself (its owner's call may still be landing).
-fn due(rec: &KeyRecord, after: Duration, now: i64) -> Due {
+/// reconcile that could not tell). An abandoned in-flight record is waited out by the retry
+/// itself, until `after` past the later of its lease's end and the latest its owner's call
+/// could still be running (reserved at `updated_at`, cut off at the upstream's `timeout`): an
+/// owner cut off from the store, not dead, may still be sending the write.
+fn due(rec: &KeyRecord, after: Duration, timeout: Duration, now: i64) -> Due {
     let after = after.as_millis() as i64;
     let left = |from: i64| {
         Duration::from_millis(from.saturating_add(after).saturating_sub(now).max(0) as u64)
     };
     match rec.state {
         KeyState::Unknown if !left(rec.updated_at).is_zero() => Due::TooSoon(left(rec.updated_at)),
-        KeyState::InFlight => Due::Wait(left(rec.lease_until)),
+        KeyState::InFlight => {
+            let call_end = rec.updated_at.saturating_add(timeout.as_millis() as i64);
+            Due::Wait(left(rec.lease_until.max(call_end)))
+        }
         _ => Due::Wait(Duration::ZERO),
     }
 }
@@ -98,8 +103,9 @@ pub(super) async fn after_unknown(ctx: &mut Ctx, lost: ProxyError) -> (Outcome, 
         .map_or(Duration::ZERO, |rc| rc.after);
     match ask(ctx, after).await {
         Verdict::Found(stored) => {
-            let finish = store::completed(ctx, stored.clone());
-            (Outcome::Reconciled(stored), finish)
+            let outcome = Outcome::Reconciled(stored);
+            let finish = store::finish_of(ctx, &outcome);
+            (outcome, finish)
         }
         Verdict::NotFound => {
             let e = lost.also(
@@ -122,11 +128,18 @@ pub(super) async fn after_unknown(ctx: &mut Ctx, lost: ProxyError) -> (Outcome, 
 pub(super) async fn before_retry(ctx: &mut Ctx, wait: Duration) -> Option<Outcome> {
     let (outcome, finish) = match ask(ctx, wait).await {
         Verdict::Found(stored) => {
+            // A retry gets what is stored (the read's `Set-Cookie` is not the write's).
+            let stored = stored.for_storage(ctx.upstream.store_set_cookie);
             let finish = store::completed(ctx, stored.clone());
             (Outcome::Replayed(stored), finish)
         }
         Verdict::NotFound => match checks::step(ctx).await {
-            Ok(()) => return None,
+            // The read and the checks took time: the key and the entities must still be ours
+            // before the write goes, or another replica may be sending it too.
+            Ok(()) => match super::reserve::still_ours(ctx).await {
+                Ok(()) => return None,
+                Err(e) => return Some(Outcome::Refused(e)),
+            },
             Err(e) => (Outcome::Refused(e), Finish::Released),
         },
         Verdict::Failed(why) => {
@@ -198,10 +211,7 @@ fn judge(rc: &Reconcile, read: &ReconcileRead, mut answer: StoredResponse) -> Ve
 }
 
 fn unknown(why: &str) -> ProxyError {
-    ProxyError::new(
-        ErrorKind::OutcomeUnknown,
-        format!("an earlier attempt with this key reached the upstream but its outcome is unknown: {why}; check the upstream, then resolve it with `idemproxy keys release KEY`"),
-    )
+    super::lookup::outcome_unknown(Some(why))
 }
 
 #[cfg(test)]
@@ -232,22 +242,29 @@ mod tests {
         let after = Duration::from_secs(2);
         // Unknown for 5 s: read now.
         let old = record(KeyState::Unknown, 1_000, 0);
-        assert_eq!(due(&old, after, 6_000), Due::Wait(Duration::ZERO));
+        let t = Duration::from_secs(1);
+        assert_eq!(due(&old, after, t, 6_000), Due::Wait(Duration::ZERO));
         // A reconcile failed 500 ms ago: refused, retry in 1.5 s.
         let fresh = record(KeyState::Unknown, 5_500, 0);
         assert_eq!(
-            due(&fresh, after, 6_000),
+            due(&fresh, after, t, 6_000),
             Due::TooSoon(Duration::from_millis(1_500))
         );
         // An owner died; its lease ran out 500 ms ago: wait the rest of `after`, then read.
         let abandoned = record(KeyState::InFlight, 0, 5_500);
         assert_eq!(
-            due(&abandoned, after, 6_000),
+            due(&abandoned, after, t, 6_000),
             Due::Wait(Duration::from_millis(1_500))
+        );
+        // Its call may run until reserved + timeout (10 s): wait for that, and `after`.
+        let slow = Duration::from_secs(10);
+        assert_eq!(
+            due(&abandoned, after, slow, 6_000),
+            Due::Wait(Duration::from_millis(6_000))
         );
         // `after = 0`: every retry reads.
         assert_eq!(
-            due(&fresh, Duration::ZERO, 6_000),
+            due(&fresh, Duration::ZERO, t, 6_000),
             Due::Wait(Duration::ZERO)
         );
     }

@@ -22,12 +22,10 @@ impl Ctx {
     }
 }
 
-/// `Ok(true)`: the key is ours. `Ok(false)`: another process reserved it first; its record is
-/// in `ctx.taken` for step 2 to decide on.
-pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<bool> {
+/// The entity leases must still be ours, and for a full lease from now, before anything is
+/// reserved or sent: checks or waits may have taken long. Released when they are not.
+async fn entities_held(ctx: &mut Ctx) -> ProxyResult<()> {
     let lease = ctx.state.config.store.lease;
-    // The entity leases must still be ours, and for a full lease from now, before anything
-    // is reserved or sent: checks or waits may have taken long.
     if let Some(leases) = &ctx.leases {
         let held = leases.still_held(lease).await;
         if !matches!(held, Ok(true)) {
@@ -38,6 +36,31 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<bool> {
             });
         }
     }
+    Ok(())
+}
+
+/// After a reservation, and before a forward that time separates from it (a reconcile read):
+/// the entity leases and the key (its lease renewed, fenced by our epoch) are still ours.
+/// Everything is let go when they are not, and nothing is sent.
+pub(super) async fn still_ours(ctx: &mut Ctx) -> ProxyResult<()> {
+    entities_held(ctx).await?;
+    let lease = ctx.state.config.store.lease;
+    let renewed = ctx.state.store.renew(&ctx.p.id, ctx.epoch, lease).await;
+    if matches!(renewed, Ok(true)) {
+        return Ok(());
+    }
+    ctx.release_entities().await;
+    ctx.slot = None;
+    Err(match renewed {
+        Err(e) => ProxyError::store(e),
+        _ => super::lookup::in_progress(),
+    })
+}
+
+/// `Ok(true)`: the key is ours. `Ok(false)`: another process reserved it first; its record is
+/// in `ctx.taken` for step 2 to decide on.
+pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<bool> {
+    entities_held(ctx).await?;
     let reservation = ctx.reservation(ctx.take_unknown);
     match ctx.state.store.reserve(reservation).await {
         Ok(Reserved::Owned { epoch }) => {

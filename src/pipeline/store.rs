@@ -75,7 +75,7 @@ pub(super) fn outcome_of(ctx: &mut Ctx, called: Called) -> Outcome {
 
 /// What the key's record becomes (SPEC's outcome table): a stored answer and its entity
 /// effects, a release (never sent, or a `release_statuses` status), or an unknown outcome.
-fn finish_of(ctx: &Ctx, outcome: &Outcome) -> Finish {
+pub(super) fn finish_of(ctx: &Ctx, outcome: &Outcome) -> Finish {
     let keep_cookie = ctx.upstream.store_set_cookie;
     let stored = match outcome {
         Outcome::Reconciled(stored) => stored.for_storage(keep_cookie),

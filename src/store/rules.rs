@@ -20,8 +20,8 @@ pub const RESERVE_SET: &str = "fingerprint = excluded.fingerprint, route = exclu
      status = NULL, headers = NULL, body = NULL, enc_key = NULL, expires_at = NULL";
 
 /// When a reservation may take a record that stands: released, or completed past its
-/// retention — and, when the upstream dedupes by our key (`take_unknown`, an SQL boolean
-/// expression), unknown or abandoned in flight.
+/// retention — and, with `take_unknown` (an SQL boolean expression: the upstream dedupes by
+/// our key, or the route reconciles before it sends anything), unknown or abandoned in flight.
 pub fn reservable(take_unknown: &str) -> String {
     format!(
         "idem_keys.state = 'released' \
