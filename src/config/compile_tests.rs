@@ -216,6 +216,7 @@ fn reconcile_mistakes_are_located() {
         (r#"{ path = "/c/{path.id}", after = "soon" }"#, "soon"),
         (r#"{ path = "/c/{path.id}", bogus = 1 }"#, "bogus"),
         (r#"{ path = "/c/{path.id}", found = [] }"#, "found is empty"),
+        (r#"{ path = "/c/{path.id}", after = "2h" }"#, "at most"),
         (
             r#"{ method = "OPTIONS", path = "/c/{path.id}" }"#,
             "GET or HEAD",

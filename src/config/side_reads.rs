@@ -120,7 +120,7 @@ pub(super) fn reconcile(
         found,
         not_found,
         answer_status,
-        after: cx.dur(&r.after, Duration::from_secs(1)),
+        after: reconcile_after(cx, name, &r.after),
         expect,
     })
 }
@@ -156,6 +156,22 @@ fn expected(
         .map(|ig| BodyPath(ig.0[path.0.len()..].to_vec()))
         .collect();
     Some(Expected::Field { path, strip })
+}
+
+/// Most `reconcile.after`: the proxy holds the write's entity locks (and a retry waits) that
+/// long, so a typo like `"2h"` for `"2s"` is refused rather than stalling the entity.
+const MAX_AFTER: Duration = Duration::from_secs(600);
+
+fn reconcile_after(cx: &mut Ctx, name: &str, after: &Option<Str>) -> Duration {
+    let d = cx.dur(after, Duration::from_secs(1));
+    if d > MAX_AFTER {
+        let span = after.as_ref().map(|a| a.span()).unwrap_or(0..0);
+        cx.err(
+            span,
+            format!("route {name:?}: reconcile.after is at most {MAX_AFTER:?}: the entity stays locked that long"),
+        );
+    }
+    d
 }
 
 impl Reconcile {
