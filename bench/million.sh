@@ -19,26 +19,10 @@ cleanup() {
   nginx -p "$WORK" -c "$WORK/nginx.conf" -s stop 2>/dev/null || true
 }
 trap cleanup EXIT
-for tool in wrk nginx sqlite3; do
-  command -v $tool >/dev/null || { echo "$tool is missing: apt-get install $tool"; exit 1; }
-done
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. bench/lib.sh
+need wrk nginx sqlite3
 UP=$(free_port); PROXY=$(free_port); ADMIN=$(free_port)
-mkdir -p "$WORK/logs"
-cat > "$WORK/nginx.conf" <<NGINX
-worker_processes 1;
-pid $WORK/nginx.pid;
-error_log $WORK/logs/error.log warn;
-events { worker_connections 1024; }
-http {
-  access_log off;
-  server {
-    listen 127.0.0.1:$UP;
-    location / { default_type application/json; return 200 '{"id":"ch_1","status":"succeeded"}'; }
-  }
-}
-NGINX
-nginx -p "$WORK" -c "$WORK/nginx.conf"
+start_nginx "$WORK" "$UP"
 DB="$WORK/idemproxy.db"
 cat > "$WORK/proxy.toml" <<TOML
 [server]

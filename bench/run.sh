@@ -26,39 +26,20 @@ cleanup() {
 }
 trap cleanup EXIT
 
-command -v wrk >/dev/null || { echo "wrk is missing: apt-get install wrk"; exit 1; }
-command -v nginx >/dev/null || { echo "nginx is missing: apt-get install nginx"; exit 1; }
-
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+. bench/lib.sh
+need wrk nginx
 UP=$(free_port); NGX=$(free_port); PROXY=$(free_port); ADMIN=$(free_port)
 PGPORT=$(free_port); PGPROXY=$(free_port); PGADMIN=$(free_port)
-
-mkdir -p "$WORK/logs"
-cat > "$WORK/nginx.conf" <<NGINX
-worker_processes 1;
-pid $WORK/nginx.pid;
-error_log $WORK/logs/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  upstream api { server 127.0.0.1:$UP; keepalive 64; }
-  # The upstream: a fixed JSON answer to any method.
-  server {
-    listen 127.0.0.1:$UP;
-    location / { default_type application/json; return 200 '{"id":"ch_1","status":"succeeded"}'; }
-  }
-  # The baseline: a plain reverse proxy with pooled upstream connections.
+# The baseline: a plain reverse proxy with pooled upstream connections.
+start_nginx "$WORK" "$UP" "  upstream api { server 127.0.0.1:$UP; keepalive 64; }
   server {
     listen 127.0.0.1:$NGX;
     location /api/ {
       proxy_pass http://api/;
       proxy_http_version 1.1;
-      proxy_set_header Connection "";
+      proxy_set_header Connection \"\";
     }
-  }
-}
-NGINX
-nginx -p "$WORK" -c "$WORK/nginx.conf"
+  }"
 
 proxy_toml() { # listen admin store-lines
 cat <<TOML
