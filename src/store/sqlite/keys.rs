@@ -209,7 +209,8 @@ impl Keys for SqliteStore {
         self.writer.reserve(r).await
     }
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        // Sealed here, on the request's task: the one writer task only runs SQL.
+        // Sealed here, on the request's task, not on the one writer task (which opens only the
+        // rare record a reservation finds standing, see `existing`).
         let columns = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
         self.writer.finish(id.clone(), epoch, columns).await
     }
