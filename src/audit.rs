@@ -17,6 +17,8 @@ use tokio_util::sync::CancellationToken;
 const QUEUE: usize = 65_536;
 /// Most rows written in one batch.
 const BATCH: usize = 512;
+/// How long the first row of a batch waits for others.
+const LINGER: Duration = Duration::from_millis(10);
 
 /// The sending side of the audit trail.
 #[derive(Clone)]
@@ -53,10 +55,23 @@ async fn write_rows(
 ) {
     let mut buf = Vec::with_capacity(BATCH);
     loop {
-        let stopping = tokio::select! {
+        let mut stopping = tokio::select! {
             n = rx.recv_many(&mut buf, BATCH) => n == 0,
             _ = stop.cancelled() => true,
         };
+        // Linger for more rows: at a light load each request would otherwise be a write batch
+        // of its own, and the next request's reservation would queue behind it on SQLite's
+        // one writer.
+        let linger = tokio::time::sleep(LINGER);
+        tokio::pin!(linger);
+        while !stopping && buf.len() < BATCH {
+            let room = BATCH - buf.len();
+            tokio::select! {
+                n = rx.recv_many(&mut buf, room) => stopping = n == 0,
+                _ = stop.cancelled() => stopping = true,
+                _ = &mut linger => break,
+            }
+        }
         if stopping {
             while let Ok(row) = rx.try_recv() {
                 buf.push(row);
