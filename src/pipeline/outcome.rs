@@ -134,9 +134,8 @@ impl Ctx {
             self.lock_wait,
             self.upstream_time,
         );
-        let ms = |d: Duration| d.as_millis() as i64;
         // The context ends here (finish, or drop): its strings move into the row.
-        let (key, fingerprint, entities) = match self.prepared {
+        let ids = match self.prepared {
             true => (
                 Some(std::mem::take(&mut self.p.key)),
                 Some(std::mem::take(&mut self.p.fingerprint)),
@@ -144,7 +143,35 @@ impl Ctx {
             ),
             false => (None, None, Vec::new()),
         };
-        state.auditor.send(AuditRow {
+        let (status, upstream) = (self.upstream_status, self.upstream_time);
+        let row = self.audit_row(ids, decision, status, self.started.elapsed(), upstream);
+        self.state.auditor.send(row);
+    }
+
+    /// An audit row of its own for a read the proxy sent on this request's behalf (a
+    /// reconcile), beside the request's row, so `keys show` tells the whole story.
+    pub(super) fn record_read(&self, decision: &str, status: Option<u16>, took: Duration) {
+        let ids = (
+            Some(self.p.key.clone()),
+            Some(self.p.fingerprint.clone()),
+            self.p.entities.clone(),
+        );
+        let mut row = self.audit_row(ids, decision, status, took, Some(took));
+        row.lock_wait_ms = 0;
+        self.state.auditor.send(row);
+    }
+
+    /// One audit row of this request: (key, fingerprint, entities), what happened, its times.
+    fn audit_row(
+        &self,
+        (key, fingerprint, entities): (Option<String>, Option<String>, Vec<String>),
+        decision: &str,
+        upstream_status: Option<u16>,
+        total: Duration,
+        upstream: Option<Duration>,
+    ) -> AuditRow {
+        let ms = |d: Duration| d.as_millis() as i64;
+        AuditRow {
             at: now_ms(),
             upstream: self.upstream.name.clone(),
             route: self.route.name.clone(),
@@ -152,34 +179,12 @@ impl Ctx {
             key,
             fingerprint,
             decision: decision.to_owned(),
-            upstream_status: self.upstream_status,
-            total_ms: ms(self.started.elapsed()),
+            upstream_status,
+            total_ms: ms(total),
             lock_wait_ms: ms(self.lock_wait),
-            upstream_ms: self.upstream_time.map(ms),
+            upstream_ms: upstream.map(ms),
             expires_at: after_ms(self.route.retention),
-        });
-    }
-}
-
-impl Ctx {
-    /// An audit row of its own for a read the proxy sent on this request's behalf (a
-    /// reconcile), beside the request's row, so `keys show` tells the whole story.
-    pub(super) fn record_read(&self, decision: &str, status: Option<u16>, took: Duration) {
-        let ms = took.as_millis() as i64;
-        self.state.auditor.send(AuditRow {
-            at: now_ms(),
-            upstream: self.upstream.name.clone(),
-            route: self.route.name.clone(),
-            entities: self.p.entities.clone(),
-            key: Some(self.p.key.clone()),
-            fingerprint: Some(self.p.fingerprint.clone()),
-            decision: decision.to_owned(),
-            upstream_status: status,
-            total_ms: ms,
-            lock_wait_ms: 0,
-            upstream_ms: Some(ms),
-            expires_at: after_ms(self.route.retention),
-        });
+        }
     }
 }
 
