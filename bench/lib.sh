@@ -32,3 +32,37 @@ $more
 NGINX
   nginx -p "$work" -c "$work/nginx.conf"
 }
+
+# proxy_toml LISTEN ADMIN STORE-LINES: the proxy's config, upstream `api` on $UP with two
+# routes: /v1/charges (key only) and /v2/charges (key and a customer entity).
+proxy_toml() {
+cat <<TOML
+[server]
+listen = "127.0.0.1:$1"
+admin_listen = "127.0.0.1:$2"
+[store]
+$3
+[upstreams.api]
+url = "http://127.0.0.1:$UP"
+prefix = "/api"
+[[routes]]
+name = "charges"
+upstream = "api"
+methods = ["POST"]
+path = "/v1/charges"
+[[routes]]
+name = "charges-by-customer"
+upstream = "api"
+methods = ["POST"]
+path = "/v2/charges"
+entity = "customer:{body.customer}"
+TOML
+}
+
+# serve NAME CONFIG ADMIN-PORT: starts the release binary (pid in $WORK/NAME.pid, stderr
+# appended to $WORK/NAME.log) and waits until it answers /healthz.
+serve() {
+  RUST_LOG=warn ./target/release/idemproxy serve --config "$2" 2>>"$WORK/$1.log" &
+  echo $! > "$WORK/$1.pid"
+  for _ in $(seq 100); do curl -fs "http://127.0.0.1:$3/healthz" >/dev/null && break; sleep 0.1; done
+}

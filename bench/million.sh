@@ -24,29 +24,10 @@ need wrk nginx sqlite3
 UP=$(free_port); PROXY=$(free_port); ADMIN=$(free_port)
 start_nginx "$WORK" "$UP"
 DB="$WORK/idemproxy.db"
-cat > "$WORK/proxy.toml" <<TOML
-[server]
-listen = "127.0.0.1:$PROXY"
-admin_listen = "127.0.0.1:$ADMIN"
-[store]
-url = "sqlite://$DB"
-retention = "24h"
-[upstreams.api]
-url = "http://127.0.0.1:$UP"
-prefix = "/api"
-[[routes]]
-name = "charges"
-upstream = "api"
-methods = ["POST"]
-path = "/v1/charges"
-TOML
+proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$DB\"
+retention = \"24h\"" > "$WORK/proxy.toml"
 cargo build --release -q
 BODY='{"amount":100,"currency":"usd","customer":"cus_1"}'
-serve() {
-  RUST_LOG=warn ./target/release/idemproxy serve --config "$WORK/proxy.toml" 2>>"$WORK/proxy.log" &
-  echo $! > "$WORK/proxy.pid"
-  for _ in $(seq 100); do curl -fs "http://127.0.0.1:$ADMIN/healthz" >/dev/null && break; sleep 0.1; done
-}
 stop() { kill "$(cat "$WORK/proxy.pid")"; while kill -0 "$(cat "$WORK/proxy.pid")" 2>/dev/null; do sleep 0.1; done; rm "$WORK/proxy.pid"; }
 rss() { awk '/VmRSS/ {printf "%.0f MiB", $2/1024}' "/proc/$(cat "$WORK/proxy.pid")/status"; }
 cpu_ticks() { awk '{print $14+$15}' "/proc/$(cat "$WORK/proxy.pid")/stat"; }
@@ -68,7 +49,7 @@ INSERT INTO idem_entities (entity, version, updated_at) SELECT 'customer:' || i 
 COMMIT;
 PRAGMA wal_checkpoint(TRUNCATE);
 SQL
-  serve
+  serve proxy "$WORK/proxy.toml" "$ADMIN"
 }
 window() { # label: first writes at 4 connections for WINDOW seconds (a purge runs every 60 s)
   local out
@@ -101,7 +82,7 @@ function request()
 end
 LUA
 
-serve
+serve proxy "$WORK/proxy.toml" "$ADMIN"
 curl -fs -X POST -H 'Content-Type: application/json' -H 'Idempotency-Key: probe' -d "$BODY" \
   "http://127.0.0.1:$PROXY/api/v1/charges" >/dev/null
 echo "$(nproc) cores; first writes at 4 connections for ${WINDOW}s per line (spans a purge)"

@@ -41,38 +41,10 @@ start_nginx "$WORK" "$UP" "  upstream api { server 127.0.0.1:$UP; keepalive 64; 
     }
   }"
 
-proxy_toml() { # listen admin store-lines
-cat <<TOML
-[server]
-listen = "127.0.0.1:$1"
-admin_listen = "127.0.0.1:$2"
-[store]
-$3
-[upstreams.api]
-url = "http://127.0.0.1:$UP"
-prefix = "/api"
-[[routes]]
-name = "charges"
-upstream = "api"
-methods = ["POST"]
-path = "/v1/charges"
-[[routes]]
-name = "charges-by-customer"
-upstream = "api"
-methods = ["POST"]
-path = "/v2/charges"
-entity = "customer:{body.customer}"
-TOML
-}
 proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$WORK/idemproxy.db\"
 ${STORE_EXTRA:-}" > "$WORK/proxy.toml"
 
 cargo build --release -q
-serve() { # name config admin-port
-  RUST_LOG=warn ./target/release/idemproxy serve --config "$2" 2>"$WORK/$1.log" &
-  echo $! > "$WORK/$1.pid"
-  for _ in $(seq 100); do curl -fs "http://127.0.0.1:$3/healthz" >/dev/null && break; sleep 0.1; done
-}
 serve idemproxy "$WORK/proxy.toml" "$ADMIN"
 
 HAVE_PG=0
