@@ -481,3 +481,34 @@ async fn reconciled_answers_are_sealed_on_sqlite() {
 async fn reconciled_answers_are_sealed_on_postgres() {
     reconciled_answers_are_sealed(true).await;
 }
+
+/// Hostile values: a body value that would walk the read to another resource is refused
+/// before anything is sent, and a read answered with more than `max_answer` cannot decide (the
+/// key stays unknown, nothing is sent again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_reads_decide_nothing() {
+    let crm = Crm::default();
+    let upstream = crm.clone().start().await;
+    let toml = format!(
+        "{}\n",
+        api_config(&upstream, "", "max_answer = \"1KiB\"", ROUTES)
+    );
+    let proxy = TestProxy::start(&toml).await;
+    let url = proxy.url("/api/crm/v3/objects/contacts");
+
+    let walked = create(&url, "..").await;
+    walked.assert_status(400);
+    assert_eq!(walked.error_type(), Some("bad_path"));
+    assert_eq!(upstream.count(), 0, "nothing sent, not even the write");
+
+    // The contact lands, its answer is lost, and the read's answer is over max_answer.
+    crm.script(&[Write::LandLost]);
+    let huge = "x".repeat(4096);
+    let first = create_named(&url, "big@example.com", &huge).await;
+    first.assert_status(504);
+    let retry = create_named(&url, "big@example.com", &huge).await;
+    retry.assert_status(409);
+    assert_eq!(retry.error_type(), Some("outcome_unknown"));
+    assert_eq!(posts(&upstream, "big@example.com"), 1, "never sent again");
+    assert_eq!(reads(&upstream), 2, "one read per attempt");
+}
