@@ -24,7 +24,7 @@ pub(super) async fn record(
 #[async_trait]
 impl Keys for PgStore {
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
-        record(&self.pool, &self.clock, self.cipher.as_deref(), id).await
+        self.gets.call(id.clone()).await
     }
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
         self.reserves.call(r).await
