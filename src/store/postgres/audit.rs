@@ -3,33 +3,40 @@
 use super::*;
 use crate::store::codec::encode_entities;
 use crate::store::rows::{self, AUDIT_COLUMNS_PG};
-use sqlx::{PgPool, Postgres};
+use sqlx::PgPool;
 
-/// One multi-row insert for the whole batch.
+/// One insert for the whole batch, over `UNNEST`ed arrays: one statement shape whatever the
+/// batch size, so each connection prepares and plans it once.
 pub async fn append_audit(pool: &PgPool, rows: &[AuditRow]) -> StoreResult<()> {
     if rows.is_empty() {
         return Ok(());
     }
-    let mut qb = sqlx::QueryBuilder::<Postgres>::new(
+    let text = |f: fn(&AuditRow) -> &str| -> Vec<&str> { rows.iter().map(f).collect() };
+    let int = |f: fn(&AuditRow) -> i64| -> Vec<i64> { rows.iter().map(f).collect() };
+    sqlx::query(
         "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-         total_ms, lock_wait_ms, upstream_ms, expires_at) ",
-    );
-    qb.push_values(rows, |mut b, r| {
-        b.push_bind(r.at)
-            .push_bind(&r.upstream)
-            .push_bind(&r.route)
-            .push_bind(encode_entities(&r.entities))
-            .push_unseparated("::jsonb")
-            .push_bind(&r.key)
-            .push_bind(&r.fingerprint)
-            .push_bind(&r.decision)
-            .push_bind(r.upstream_status.map(i32::from))
-            .push_bind(r.total_ms)
-            .push_bind(r.lock_wait_ms)
-            .push_bind(r.upstream_ms)
-            .push_bind(r.expires_at);
-    });
-    qb.build().execute(pool).await?;
+         total_ms, lock_wait_ms, upstream_ms, expires_at) \
+         SELECT at, upstream, route, entities::jsonb, key, fingerprint, decision, upstream_status, \
+           total_ms, lock_wait_ms, upstream_ms, expires_at \
+         FROM UNNEST($1::int8[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], \
+           $8::int4[], $9::int8[], $10::int8[], $11::int8[], $12::int8[]) \
+         AS v(at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
+           total_ms, lock_wait_ms, upstream_ms, expires_at)",
+    )
+    .bind(int(|r| r.at))
+    .bind(text(|r| &r.upstream))
+    .bind(text(|r| &r.route))
+    .bind(rows.iter().map(|r| encode_entities(&r.entities)).collect::<Vec<_>>())
+    .bind(rows.iter().map(|r| r.key.as_deref()).collect::<Vec<_>>())
+    .bind(rows.iter().map(|r| r.fingerprint.as_deref()).collect::<Vec<_>>())
+    .bind(text(|r| &r.decision))
+    .bind(rows.iter().map(|r| r.upstream_status.map(i32::from)).collect::<Vec<_>>())
+    .bind(int(|r| r.total_ms))
+    .bind(int(|r| r.lock_wait_ms))
+    .bind(rows.iter().map(|r| r.upstream_ms).collect::<Vec<_>>())
+    .bind(int(|r| r.expires_at))
+    .execute(pool)
+    .await?;
     Ok(())
 }
 
