@@ -9,6 +9,7 @@
 //! hear it is seen within [`FRESH_FOR_MS`], after which an entry is read again. Memory is
 //! bounded by bytes (quick_cache's S3-FIFO evicts).
 
+use super::settling::Settling;
 use super::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -57,20 +58,21 @@ impl Entries {
         None
     }
 
+    /// `false` when the answer stays out (released lately, or too large).
     fn put(
         &self,
         id: &ScopedKey,
         fingerprint: &str,
         response: Arc<StoredResponse>,
         expires_at: i64,
-    ) {
+    ) -> bool {
         // Held until the entry is in: a release cannot slip between the check and the insert.
         let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
         if !released.is_empty() {
             let now = now_ms();
             released.retain(|_, at| *at + FRESH_FOR_MS > now);
             if released.contains_key(&id.key) {
-                return;
+                return false;
             }
         }
         // What the entry costs the allocator, not just its data: each header is a `String` and a
@@ -84,7 +86,7 @@ impl Entries {
         let strings = id.upstream.len() + id.scope.len() + id.key.len() + fingerprint.len();
         let bytes = (response.body.len() + headers + strings + 600) as u64;
         if bytes > MAX_BYTES / 64 {
-            return;
+            return false;
         }
         let entry = CachedAnswer {
             fingerprint: fingerprint.to_owned(),
@@ -95,6 +97,7 @@ impl Entries {
         };
         self.answers.insert(id.clone(), Arc::new(entry));
         drop(released);
+        true
     }
 
     /// Drops every entry of `key` (any upstream or scope), or everything (`None`: releases may
@@ -115,9 +118,12 @@ impl Entries {
 pub struct CachedStore {
     inner: Arc<dyn Store>,
     entries: Arc<Entries>,
-    /// The fingerprint of each key this process reserved, until its outcome is stored: the
-    /// outcome carries only the answer.
-    reserved: Mutex<HashMap<ScopedKey, String>>,
+    /// The fingerprint of each key this process reserved, until its outcome is stored (the
+    /// outcome carries only the answer), and the number of its answer when it was answered
+    /// before its commit (see [`Keys::remember`]).
+    reserved: Mutex<HashMap<ScopedKey, (String, Option<u64>)>>,
+    /// Answers given before their commit, which an operator's read waits for.
+    settling: Settling,
 }
 
 impl CachedStore {
@@ -132,6 +138,7 @@ impl CachedStore {
             inner,
             entries,
             reserved: Mutex::default(),
+            settling: Settling::default(),
         })
     }
 }
@@ -160,7 +167,7 @@ impl Keys for CachedStore {
         let reserved = self.inner.reserve(r).await?;
         if matches!(reserved, Reserved::Owned { .. }) {
             let mut map = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
-            map.insert(id, fingerprint);
+            map.insert(id, (fingerprint, None));
         }
         Ok(reserved)
     }
@@ -173,12 +180,39 @@ impl Keys for CachedStore {
             } => Some((response.clone(), *expires_at)),
             _ => None,
         };
-        let fingerprint = self.reserved_fingerprint(id);
-        let stored = self.inner.finish(id, epoch, outcome).await?;
-        if let (true, Some((response, expires_at)), Some(fp)) = (stored, completed, fingerprint) {
-            self.entries.put(id, &fp, response, expires_at);
+        let (fingerprint, answered) = self.reserved_fingerprint(id).unzip();
+        let answered = answered.flatten();
+        let stored = self.inner.finish(id, epoch, outcome).await;
+        match (&stored, completed, fingerprint) {
+            (Ok(true), Some((response, expires_at)), Some(fp)) => {
+                self.entries.put(id, &fp, response, expires_at);
+            }
+            // Answered from the cache before a commit that did not store it: the store says
+            // in flight (unknown after a restart), and so must the cache.
+            _ if answered.is_some() => {
+                self.entries.answers.remove(id);
+            }
+            _ => {}
         }
-        Ok(stored)
+        if let Some(n) = answered {
+            self.settling.end(n);
+        }
+        stored
+    }
+    fn remember(&self, id: &ScopedKey, response: &Arc<StoredResponse>, expires_at: i64) -> bool {
+        let mut map = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
+        let Some((fingerprint, answered)) = map.get_mut(id) else {
+            return false;
+        };
+        if answered.is_some()
+            || !self
+                .entries
+                .put(id, fingerprint, response.clone(), expires_at)
+        {
+            return false;
+        }
+        *answered = Some(self.settling.begin());
+        true
     }
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
         self.inner.renew(id, epoch, lease).await
@@ -192,9 +226,11 @@ impl Keys for CachedStore {
         Ok(n)
     }
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
+        self.settling.settle().await;
         self.inner.find_key(key).await
     }
     async fn list_keys(&self, filter: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
+        self.settling.settle().await;
         self.inner.list_keys(filter).await
     }
     fn observe_releases(&self, f: ReleaseObserver) {
@@ -205,7 +241,7 @@ impl Keys for CachedStore {
 impl CachedStore {
     /// The fingerprint the key was reserved with, known to the reservation's owner: the
     /// finish carries only the answer.
-    fn reserved_fingerprint(&self, id: &ScopedKey) -> Option<String> {
+    fn reserved_fingerprint(&self, id: &ScopedKey) -> Option<(String, Option<u64>)> {
         self.reserved
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -248,6 +284,7 @@ impl EntityStates for CachedStore {
         self.inner.release_claim(entity).await
     }
     async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>> {
+        self.settling.settle().await;
         self.inner.find_entities(entity).await
     }
     async fn reset_version(&self, entity: &str) -> StoreResult<u64> {

@@ -15,6 +15,7 @@ mod records;
 mod rows;
 pub mod rules;
 pub mod seal;
+mod settling;
 pub mod sqlite;
 
 pub use answer::{
@@ -193,6 +194,17 @@ pub trait Keys: Send + Sync + 'static {
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved>;
     /// Records the outcome if we still own `epoch`; `false` when fenced off.
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool>;
+    /// Before [`Keys::finish`] of a key this process reserved: keeps its answer where a retry
+    /// finds it at once (the replay cache), so the caller can be answered before the commit.
+    /// `false` when it cannot (no cache, or the answer does not fit): answer after the commit.
+    fn remember(
+        &self,
+        _id: &ScopedKey,
+        _response: &std::sync::Arc<StoredResponse>,
+        _expires_at: i64,
+    ) -> bool {
+        false
+    }
     /// Extends our lease while the upstream call runs; `false` when fenced off.
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool>;
     /// Interest in changes of a key owned by another process, registered before the caller
