@@ -83,6 +83,9 @@ async fn a_full_sqlite_disk_fails_closed_and_recovers() {
     };
     post("before").await.assert_status(200);
     assert_eq!(upstream.count(), 1);
+    // Its answer came before its completion committed: an operator's read waits for it.
+    let shown = get(&proxy.admin_url("/admin/keys/before")).await;
+    assert_eq!(shown.json()["records"][0]["state"], "completed");
 
     disk.fill();
     for key in ["full-1", "full-2", "full-3"] {

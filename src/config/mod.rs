@@ -78,6 +78,9 @@ pub struct StoreConfig {
     /// `encryption_key` and `encryption_keys_previous`: stored answers are sealed with the
     /// first and opened with any (see [`crate::store::seal`]). `None`: stored in clear.
     pub encryption: Option<Arc<crate::store::seal::Cipher>>,
+    /// `answer_before_commit` (default on): a first write's answer goes to its caller before
+    /// its completion commits (see `pipeline::store`); off, after it.
+    pub answer_before_commit: bool,
 }
 
 /// What to do with a mutating request that matches no route.

@@ -52,6 +52,7 @@ pub struct RawStore {
     pub scope_secret: Option<Str>,
     pub encryption_key: Option<Str>,
     pub encryption_keys_previous: Option<Vec<Str>>,
+    pub answer_before_commit: Option<bool>,
 }
 
 #[derive(Debug, Deserialize)]

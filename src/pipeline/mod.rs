@@ -92,14 +92,16 @@ pub async fn run(
             Ok(None) => {}
         }
         // Steps 5–7 run detached from this connection: once the reservation is sent, the
-        // forward and the stored outcome follow even if the client hangs up meanwhile.
-        let detached = state.tracker.spawn(reserve_forward_store(ctx));
+        // forward and the stored outcome follow even if the client hangs up meanwhile. The
+        // answer may come back before the job ends (before its outcome commits: see `store`).
+        let (reply, detached) = tokio::sync::oneshot::channel();
+        state.tracker.spawn(reserve_forward_store(ctx, reply));
         match detached.await {
             Ok(Detached::Finished(answer)) => return answer,
             // Another replica reserved the key between our look-up and our reservation.
             Ok(Detached::Taken(back)) => ctx = *back,
-            Err(e) => {
-                tracing::error!(error = %e, "the forward job failed");
+            Err(_) => {
+                tracing::error!("the forward job ended without an answer");
                 return Err(ProxyError::new(
                     ErrorKind::Internal,
                     "the proxy failed while forwarding; the key's outcome is unknown until its lease runs out",
@@ -111,28 +113,37 @@ pub async fn run(
 
 /// How the detached steps 5–7 ended.
 enum Detached {
-    /// Recorded and answered (or refused) in the job itself.
+    /// Answered (or refused); the job records it, perhaps after this answer (see `store`).
     Finished(ProxyResult<Response<ProxyBody>>),
     /// The key belongs to another process: back to step 2 with this context.
     Taken(Box<Ctx>),
 }
 
+/// Where the detached job sends how it ended (dropped: the client hung up).
+type Reply = tokio::sync::oneshot::Sender<Detached>;
+
 /// Steps 5–7. The answer is stored and the audit row written here, whether or not the client
 /// still waits for it.
-async fn reserve_forward_store(mut ctx: Ctx) -> Detached {
+async fn reserve_forward_store(mut ctx: Ctx, reply: Reply) {
     match reserve::step(&mut ctx).await {
         Ok(true) => {}
-        Ok(false) => return Detached::Taken(Box::new(ctx)),
-        Err(e) => return Detached::Finished(ctx.finish(Outcome::Refused(e))),
+        Ok(false) => {
+            let _ = reply.send(Detached::Taken(Box::new(ctx)));
+            return;
+        }
+        Err(e) => {
+            let _ = reply.send(Detached::Finished(ctx.finish(Outcome::Refused(e))));
+            return;
+        }
     }
     if let Some(wait) = ctx.reconcile_first {
         if let Some(outcome) = reconcile::before_retry(&mut ctx, wait).await {
-            return Detached::Finished(ctx.finish(outcome));
+            let _ = reply.send(Detached::Finished(ctx.finish(outcome)));
+            return;
         }
     }
     let called = forward::step(&mut ctx).await;
-    let outcome = store::step(&mut ctx, called).await;
-    Detached::Finished(ctx.finish(outcome))
+    store::step(ctx, called, reply).await;
 }
 
 /// What one protected request holds and knows as it goes through the steps. Dropped before

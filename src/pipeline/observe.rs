@@ -102,7 +102,7 @@ pub(super) async fn run(
         false => forward::plain(&mut ctx).await,
     };
     let outcome = match owned {
-        true => store::step(&mut ctx, called).await,
+        true => store::stored(&mut ctx, called).await,
         false => store::outcome_of(&mut ctx, called),
     };
     ctx.finish(outcome)

@@ -74,17 +74,29 @@ impl Outcome {
 impl Ctx {
     /// Ends the request: one audit row, one metrics update, one answer.
     pub fn finish(mut self, outcome: Outcome) -> ProxyResult<Response<ProxyBody>> {
-        self.finished = true;
+        let decision = self.decision(&outcome);
+        let answer = self.answer(outcome);
+        // Last: the audit row takes the request's key, fingerprint and entities (no copies).
+        self.conclude(&decision);
+        answer
+    }
+
+    /// What the audit row and the metrics will say (`observed:…` in observe mode).
+    pub(super) fn decision(&self, outcome: &Outcome) -> std::borrow::Cow<'static, str> {
         if matches!(outcome, Outcome::Replayed(_)) {
             self.state.stats.on_replay();
         }
-        let decision: std::borrow::Cow<'static, str> = match self.observed {
+        match self.observed {
             Some(would) => {
                 self.state.stats.on_observed(&self.route.name, would);
                 format!("observed:{would}").into()
             }
             None => outcome.decision().into(),
-        };
+        }
+    }
+
+    /// The caller's answer (or error) for how the request ended.
+    pub(super) fn answer(&self, outcome: Outcome) -> ProxyResult<Response<ProxyBody>> {
         // Observe mode hands the upstream's answer back unchanged (but for what it observed).
         let observe = self.route.mode == crate::config::Mode::Observe;
         let key = &self.p.key;
@@ -111,7 +123,7 @@ impl Ctx {
                 })
             }
         };
-        let answer = answer.map(|mut resp| {
+        answer.map(|mut resp| {
             if let Some(would) = self.observed {
                 resp.headers_mut().insert(
                     super::observe::OBSERVED_HEADER,
@@ -119,10 +131,13 @@ impl Ctx {
                 );
             }
             resp
-        });
-        // Last: the audit row takes the request's key, fingerprint and entities (no copies).
-        self.record(&decision);
-        answer
+        })
+    }
+
+    /// The request is over (its answer given): its audit row and metrics.
+    pub(super) fn conclude(&mut self, decision: &str) {
+        self.finished = true;
+        self.record(decision);
     }
 
     /// The audit row and the per-decision metrics.

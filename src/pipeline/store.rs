@@ -1,16 +1,49 @@
 //! Step 7: what the forward's ending means (SPEC's outcome table), stored — the answer, the
 //! new version and claim of a 2xx — then the locks released.
+//!
+//! An answer goes to its caller before its completion commits when the store can keep it where
+//! a retry finds it at once (the replay cache, see [`crate::store::Keys::remember`]): the
+//! reservation, committed before the forward, is what stops a second forward, and the key's
+//! slot and entity locks are held until the commit, so the next write to the entity, or a
+//! retry the cache cannot serve, sees the stored outcome. What a crash between the answer and
+//! the commit leaves: the key unknown (never forwarded again), and the entity effects of that
+//! answer (version, claim) unrecorded — as for a crash just after the upstream answered.
 
 use super::outcome::{Answer, Outcome};
-use super::Ctx;
+use super::{Ctx, Detached, Reply};
 use crate::error::{ErrorKind, ProxyError};
 use crate::store::{after_ms, Effects, Finish, StoredResponse, OMITTED_BODY};
 use crate::upstream::Outcome as Called;
 use std::sync::Arc;
 
-/// Step 7.
-pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
-    let (outcome, finish) = match outcome_of(ctx, called) {
+/// Step 7, to the end of the request: answers the caller (at once, or once the outcome is
+/// stored), stores the outcome, writes the audit row.
+pub(super) async fn step(mut ctx: Ctx, called: Called, reply: Reply) {
+    let (outcome, finish) = decide(&mut ctx, called).await;
+    if !answer_first(&ctx, &outcome, &finish) {
+        record(&mut ctx, finish).await;
+        let _ = reply.send(Detached::Finished(ctx.finish(outcome)));
+        return;
+    }
+    // The audit row goes with the answer (rows keep the order callers saw answers in; a
+    // store that then fails to commit is logged and counted, as when it fails before).
+    let decision = ctx.decision(&outcome);
+    let answer = ctx.answer(outcome);
+    ctx.conclude(&decision);
+    let _ = reply.send(Detached::Finished(answer));
+    record(&mut ctx, finish).await;
+}
+
+/// Step 7 in observe mode (which answers after it): the outcome, stored.
+pub(super) async fn stored(ctx: &mut Ctx, called: Called) -> Outcome {
+    let (outcome, finish) = decide(ctx, called).await;
+    record(ctx, finish).await;
+    outcome
+}
+
+/// The outcome, and what the key's record becomes.
+async fn decide(ctx: &mut Ctx, called: Called) -> (Outcome, Finish) {
+    match outcome_of(ctx, called) {
         // The write may have happened: ask the real system, still holding the locks.
         Outcome::Unknown(e) if super::reconcile::applies(ctx) => {
             super::reconcile::after_unknown(ctx, e).await
@@ -19,9 +52,28 @@ pub(super) async fn step(ctx: &mut Ctx, called: Called) -> Outcome {
             let finish = finish_of(ctx, &outcome);
             (outcome, finish)
         }
-    };
-    record(ctx, finish).await;
-    outcome
+    }
+}
+
+/// Whether the caller may be answered before the outcome commits: a full answer, stored, that
+/// the store keeps where a retry finds it (and `store.answer_before_commit` is not off).
+fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> bool {
+    let full = ctx.state.config.store.answer_before_commit
+        && matches!(
+            outcome,
+            Outcome::Answered {
+                answer: Answer::Full(_),
+                released: false
+            }
+        );
+    match finish {
+        Finish::Completed {
+            response,
+            expires_at,
+            ..
+        } if full => ctx.state.store.remember(&ctx.p.id, response, *expires_at),
+        _ => false,
+    }
 }
 
 /// Stores what became of the key (fenced by our epoch), then lets go of the entity locks and

@@ -1,0 +1,161 @@
+//! The proxy killed (`SIGKILL`) under load, on SQLite and PostgreSQL. A first write's answer
+//! goes to its caller before its completion commits (`pipeline::store`); the reservation,
+//! committed before the forward, is what stops a second forward. So for every key, across the
+//! kill, the restart and a retry of every request:
+//! - the upstream received it at most once;
+//! - a key whose caller was answered before the kill is never forwarded again: its retry
+//!   replays the very answer, or (its completion lost with the process) gets
+//!   `409 outcome_unknown`;
+//! - with `store.answer_before_commit = false`, an answered key always replays.
+
+mod common;
+use common::pg::PgServer;
+use common::*;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use tokio::sync::Notify;
+
+/// Callers sending first writes one after another, each with a fresh key.
+const CALLERS: usize = 16;
+/// Answers received before the kill.
+const ANSWERS_BEFORE_KILL: usize = 200;
+
+fn body(key: &str) -> String {
+    format!(r#"{{"customer":"cus_1","amount":100,"ref":"{key}"}}"#)
+}
+
+/// One caller's requests: (key, the answer if one came before the kill).
+type Sent = Vec<(String, Option<Resp>)>;
+
+/// Sends first writes until the proxy dies; counts answers in `answered`.
+async fn caller(url: String, n: usize, answered: Arc<AtomicUsize>, enough: Arc<Notify>) -> Sent {
+    let mut sent = Vec::new();
+    for i in 0.. {
+        let key = format!("crash-{n}-{i}");
+        let headers = [
+            ("idempotency-key", key.as_str()),
+            ("content-type", "application/json"),
+        ];
+        match try_request("POST", &url, &headers, body(&key)).await {
+            Ok(resp) => {
+                resp.assert_status(200);
+                sent.push((key, Some(resp)));
+                if answered.fetch_add(1, Ordering::SeqCst) + 1 == ANSWERS_BEFORE_KILL {
+                    enough.notify_one();
+                }
+            }
+            Err(_) => {
+                sent.push((key, None));
+                return sent;
+            }
+        }
+    }
+    sent
+}
+
+async fn killed_under_load(store: &str, answer_before_commit: bool) {
+    let upstream = RecordingUpstream::start().await;
+    let dir = TestDir::new();
+    // A short lease: on PostgreSQL a retry waits out the dead process's lease.
+    let toml = format!(
+        "{}\n{store}lease = \"1s\"\nanswer_before_commit = {answer_before_commit}\n",
+        api_config(&upstream, "", "timeout = \"2s\"", CHARGES_ROUTE)
+    );
+    let cfg = dir.write_config(&toml);
+    let mut process = ProxyProcess::spawn(&cfg).await;
+    let url = process.url("/api/v1/charges");
+    let answered = Arc::new(AtomicUsize::new(0));
+    let enough = Arc::new(Notify::new());
+    let callers: Vec<_> = (0..CALLERS)
+        .map(|n| tokio::spawn(caller(url.clone(), n, answered.clone(), enough.clone())))
+        .collect();
+    enough.notified().await;
+    process.kill().await;
+    let mut sent: Sent = Vec::new();
+    for c in callers {
+        sent.extend(c.await.expect("caller"));
+    }
+    let forwarded_before = upstream.count();
+    assert!(forwarded_before >= ANSWERS_BEFORE_KILL);
+
+    let restarted = ProxyProcess::spawn(&cfg).await;
+    let url = restarted.url("/api/v1/charges");
+    let (mut replayed, mut unknown, mut fresh, mut answered_lost) = (0, 0, 0, 0);
+    for (key, first) in &sent {
+        let headers = [
+            ("idempotency-key", key.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let retry = request("POST", &url, &headers, body(key)).await;
+        let posts = upstream
+            .requests()
+            .iter()
+            .filter(|r| r.body == body(key).as_bytes())
+            .count();
+        assert!(posts <= 1, "{key} reached the upstream {posts} times");
+        match (retry.status, first) {
+            (200, Some(first)) => {
+                assert_eq!(
+                    retry.replayed(),
+                    Some(true),
+                    "{key}: answered, then forwarded"
+                );
+                assert_eq!(retry.body, first.body, "{key}: another answer replayed");
+                replayed += 1;
+            }
+            (200, None) if retry.replayed() == Some(true) => replayed += 1,
+            (200, None) => {
+                assert_eq!(posts, 1, "{key}");
+                fresh += 1;
+            }
+            // Reserved before the kill, sent or not: the proxy cannot tell, and never guesses.
+            (409, first) => {
+                assert_eq!(retry.error_type(), Some("outcome_unknown"), "{key}");
+                unknown += 1;
+                // Answered, and its completion lost with the process.
+                answered_lost += usize::from(first.is_some());
+            }
+            (status, _) => panic!("{key}: retry answered {status}: {}", retry.text()),
+        }
+    }
+    eprintln!(
+        "{} keys: {forwarded_before} forwarded before the kill; on retry {replayed} replayed, \
+         {unknown} unknown ({answered_lost} of them answered before the kill), {fresh} \
+         forwarded for the first time",
+        sent.len()
+    );
+    assert_eq!(upstream.count(), forwarded_before + fresh);
+    if !answer_before_commit {
+        assert_eq!(
+            answered_lost, 0,
+            "an answer given after its commit was lost"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_under_load_on_sqlite_no_key_is_forwarded_twice() {
+    killed_under_load("[store]\n", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_under_load_on_sqlite_answers_after_commit_all_replay() {
+    killed_under_load("[store]\n", false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_under_load_on_postgres_no_key_is_forwarded_twice() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    killed_under_load(&pg.store_toml(), true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_under_load_on_postgres_answers_after_commit_all_replay() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    killed_under_load(&pg.store_toml(), false).await;
+}
