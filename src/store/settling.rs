@@ -1,9 +1,9 @@
 //! Outcomes answered before their commit. A first write's answer goes to its caller as soon as
 //! it is in the replay cache, while its completion commits (see `pipeline::store`): a retry in
 //! this process replays from the cache, and anything that would read the record waits behind
-//! the key's slot and the entity locks, held until the commit. An operator's read (`keys show`,
-//! `/admin/keys`, `/admin/entities`) holds no lock, so it waits here instead, for every outcome
-//! answered before it began: what an operator sees never lags what a caller was told.
+//! the key's slot and the entity locks, held until the commit. An operator's read through this
+//! process (`/admin/keys`, `/admin/entities`) holds no lock, so it waits here instead, for every
+//! outcome answered before it began: what it shows never lags what a caller was told.
 
 use std::collections::BTreeSet;
 use std::sync::Mutex;
