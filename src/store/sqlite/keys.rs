@@ -9,7 +9,7 @@ use crate::store::seal::Cipher;
 use sqlx::{QueryBuilder, Row, Sqlite, SqliteConnection};
 
 /// Rows per statement: SQLite binds at most 32766 variables.
-const CHUNK: usize = 2000;
+pub(super) const CHUNK: usize = 2000;
 
 fn same(row: &sqlx::sqlite::SqliteRow, id: &ScopedKey) -> bool {
     row.try_get::<&str, _>("upstream")

@@ -131,6 +131,30 @@ struct Batch {
 }
 
 impl Batch {
+    /// One statement: only reservations, all for new keys or all taking over unknown ones (see
+    /// `keys::reserve_many`), or only outcomes without entity effects (`keys::finish_many`).
+    fn is_one_statement(&self) -> bool {
+        if !self.audits.is_empty() || !self.jobs.is_empty() {
+            return false;
+        }
+        let first = self.reserves.first().map(|(r, _)| r.take_unknown);
+        let reserves = self.reserves.len() <= super::keys::CHUNK
+            && self
+                .reserves
+                .iter()
+                .all(|(r, _)| Some(r.take_unknown) == first);
+        let finishes = self.finishes.len() <= super::keys::CHUNK
+            && self
+                .finishes
+                .iter()
+                .all(|(_, _, f, _)| f.effects.is_empty());
+        match (self.reserves.is_empty(), self.finishes.is_empty()) {
+            (false, true) => reserves,
+            (true, false) => finishes,
+            _ => false,
+        }
+    }
+
     fn is_empty(&self) -> bool {
         self.reserves.is_empty()
             && self.finishes.is_empty()
@@ -188,10 +212,16 @@ async fn run_batch(
     batch: Batch,
     cipher: Option<&crate::store::seal::Cipher>,
 ) {
-    if let Err(e) = sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await {
-        // Dropping the batch unrun drops its replies: every caller gets an error.
-        tracing::error!(error = %e, "SQLite cannot begin a write");
-        return;
+    // A batch that is one statement (a lone reservation, the common case at a light load) is
+    // its own transaction, committed durably as it runs: two trips to sqlx's worker thread
+    // fewer than BEGIN and COMMIT around it.
+    let single = batch.is_one_statement();
+    if !single {
+        if let Err(e) = sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await {
+            // Dropping the batch unrun drops its replies: every caller gets an error.
+            tracing::error!(error = %e, "SQLite cannot begin a write");
+            return;
+        }
     }
     let now = crate::store::now_ms();
     let started = std::time::Instant::now();
@@ -227,16 +257,24 @@ async fn run_batch(
         done.push(job(conn, now).await);
     }
     let ran = started.elapsed();
-    let failure = match sqlx::query("COMMIT").execute(&mut *conn).await {
+    let failure = match single {
+        true => None,
+        false => commit(conn).await,
+    };
+    tracing::trace!(?sizes, ?ran, total = ?started.elapsed(), "write batch committed");
+    for d in done {
+        d(failure.as_deref());
+    }
+}
+
+/// Commits the batch's transaction: `Some(why)` when it could not.
+async fn commit(conn: &mut SqliteConnection) -> Option<String> {
+    match sqlx::query("COMMIT").execute(&mut *conn).await {
         Ok(_) => None,
         Err(e) => {
             // Leave no transaction open behind a failed commit (ignore "no transaction").
             let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
             Some(format!("commit failed: {e}"))
         }
-    };
-    tracing::trace!(?sizes, ?ran, total = ?started.elapsed(), "write batch committed");
-    for d in done {
-        d(failure.as_deref());
     }
 }
