@@ -48,7 +48,10 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
             }
             return Err(key_reused());
         }
-        let mut record = get(ctx, &ctx.p.id).await?;
+        let mut record = match reservation_looks_up(ctx) {
+            true => None,
+            false => get(ctx, &ctx.p.id).await?,
+        };
         if record.is_none() && ctx.legacy_scope.is_some() {
             record = adopt_legacy_scope(ctx).await?;
         }
@@ -99,6 +102,18 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
             Decision::WaitForeign(until) => wait_foreign(ctx, until, deadline).await?,
         }
     }
+}
+
+/// When nothing stands between the look-up and the reservation (no entity to lock, no check
+/// or pre-check to run) and the store finds a record at reservation as cheaply as by reading
+/// it (SQLite: no write, no fsync, see [`crate::store::Keys::reservation_reads`]), the
+/// reservation is the look-up: a record it finds comes back to this step (as `ctx.taken`) and
+/// is decided on as if read here. One store trip fewer for every first write.
+fn reservation_looks_up(ctx: &Ctx) -> bool {
+    ctx.p.entities.is_empty()
+        && ctx.route.precheck.is_none()
+        && ctx.legacy_scope.is_none()
+        && ctx.state.store.reservation_reads()
 }
 
 async fn get(ctx: &Ctx, id: &ScopedKey) -> ProxyResult<Option<KeyRecord>> {

@@ -199,6 +199,9 @@ impl Keys for CachedStore {
         }
         stored
     }
+    fn reservation_reads(&self) -> bool {
+        self.inner.reservation_reads()
+    }
     fn remember(&self, id: &ScopedKey, response: &Arc<StoredResponse>, expires_at: i64) -> bool {
         let mut map = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
         let Some((fingerprint, answered)) = map.get_mut(id) else {
