@@ -196,8 +196,7 @@ pub trait Keys: Send + Sync + 'static {
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool>;
     /// A reservation that finds a record standing costs no more than reading it (changes
     /// nothing, commits nothing to disk), so a request with nothing to lock or check may skip
-    /// its look-up and let the reservation find the record (see `pipeline::lookup`). Not on
-    /// PostgreSQL, where the upsert locks the row it finds: a commit, and its flush.
+    /// its look-up and let the reservation find the record (see `pipeline::lookup`).
     fn reservation_reads(&self) -> bool {
         false
     }

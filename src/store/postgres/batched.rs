@@ -18,6 +18,9 @@ pub(super) async fn get_many(
     cipher: Option<&Cipher>,
     ids: Vec<ScopedKey>,
 ) -> StoreResult<Vec<Option<KeyRecord>>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
     let col = |f: fn(&ScopedKey) -> &str| -> Vec<&str> { ids.iter().map(f).collect() };
     let rows = sqlx::query(&format!(
         "SELECT {COLUMNS} FROM UNNEST($1::text[], $2::text[], $3::text[]) AS v(u, s, k) \
@@ -40,6 +43,11 @@ pub(super) async fn get_many(
 }
 
 /// Reserves every key it can; the others come back as the record that stands.
+///
+/// New keys go in with `ON CONFLICT DO NOTHING`, which leaves a standing record alone (no row
+/// lock, so no commit to flush when every key stood: a look-up's cost). Only the records that
+/// look reservable (released, past retention) are then taken with the locking upsert, which
+/// decides again; and so are the takeovers of unknown outcomes.
 pub(super) async fn reserve_many(
     pool: &PgPool,
     clock: &Clock,
@@ -48,66 +56,47 @@ pub(super) async fn reserve_many(
 ) -> StoreResult<Vec<Reserved>> {
     let mut out: Vec<Option<Reserved>> = rs.iter().map(|_| None).collect();
     let mut pending: Vec<usize> = (0..rs.len()).collect();
-    // An upsert may touch a row once: a key twice in one batch (never from one replica's
+    // A statement may touch a row once: a key twice in one batch (never from one replica's
     // key slots, but cheap to rule out) waits for the next round, and finds the first's
     // reservation there.
     while !pending.is_empty() {
         let mut seen = HashSet::new();
         let (round, later): (Vec<usize>, Vec<usize>) =
             pending.iter().partition(|&&i| seen.insert(&rs[i].id));
+        let (takeovers, fresh): (Vec<usize>, Vec<usize>) =
+            round.into_iter().partition(|&i| rs[i].take_unknown);
+        let mut upserts = takeovers;
+        for (i, epoch) in insert(pool, &rs, fresh.clone(), None).await? {
+            out[i] = Some(Reserved::Owned { epoch });
+        }
+        let stood: Vec<usize> = fresh.into_iter().filter(|&i| out[i].is_none()).collect();
+        let ids = stood.iter().map(|&i| rs[i].id.clone()).collect();
+        let now = crate::store::now_ms();
+        for (i, record) in stood
+            .into_iter()
+            .zip(get_many(pool, clock, cipher, ids).await?)
+        {
+            match record {
+                Some(r) if r.effective_state(now) != KeyState::Released => {
+                    out[i] = Some(Reserved::Existing(Box::new(r)));
+                }
+                // Reservable, or gone since (purged): the upsert decides.
+                _ => upserts.push(i),
+            }
+        }
         for take_unknown in [false, true] {
-            let mut group: Vec<usize> = round
+            let group: Vec<usize> = upserts
                 .iter()
                 .copied()
                 .filter(|&i| rs[i].take_unknown == take_unknown)
                 .collect();
-            if group.is_empty() {
-                continue;
-            }
-            // Rows are locked in key order, so two replicas' batches cannot deadlock.
-            group.sort_by(|&a, &b| {
-                let (a, b) = (&rs[a].id, &rs[b].id);
-                (&a.upstream, &a.scope, &a.key).cmp(&(&b.upstream, &b.scope, &b.key))
-            });
-            let col = |f: fn(&Reservation) -> &str| -> Vec<&str> {
-                group.iter().map(|&i| f(&rs[i])).collect()
-            };
-            let entities: Vec<String> = group
-                .iter()
-                .map(|&i| codec::encode_entities(&rs[i].entities))
-                .collect();
-            let leases: Vec<i64> = group.iter().map(|&i| lease_ms(rs[i].lease)).collect();
-            let rows = sqlx::query(&format!(
-                "INSERT INTO idem_keys (upstream, scope, key, fingerprint, route, entities, state, owner, \
-                   lease_until, epoch, attempts, created_at, updated_at) \
-                 SELECT v.u, v.s, v.k, v.f, v.r, v.e::jsonb, 'in_flight', v.o, t.now_ms + v.l, 1, 1, t.now_ms, t.now_ms \
-                 FROM (SELECT {NOW} AS now_ms) t, \
-                   UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[]) \
-                   WITH ORDINALITY AS v(u, s, k, f, r, e, o, l, n) \
-                 ORDER BY v.n \
-                 ON CONFLICT (upstream, scope, key) DO UPDATE SET {} WHERE {} \
-                 RETURNING upstream, scope, key, epoch",
+            let conflict = format!(
+                "DO UPDATE SET {} WHERE {}",
                 rules::RESERVE_SET,
                 rules::reservable(if take_unknown { "TRUE" } else { "FALSE" })
-            ))
-            .bind(col(|r| &r.id.upstream))
-            .bind(col(|r| &r.id.scope))
-            .bind(col(|r| &r.id.key))
-            .bind(col(|r| &r.fingerprint))
-            .bind(col(|r| &r.route))
-            .bind(entities)
-            .bind(col(|r| &r.owner))
-            .bind(leases)
-            .fetch_all(pool)
-            .await?;
-            let index = by_id(group.iter().map(|&i| (i, &rs[i].id)));
-            for row in rows {
-                let id: (&str, &str, &str) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
-                if let Some(&i) = index.get(&id) {
-                    out[i] = Some(Reserved::Owned {
-                        epoch: row.try_get(3)?,
-                    });
-                }
+            );
+            for (i, epoch) in insert(pool, &rs, group, Some(&conflict)).await? {
+                out[i] = Some(Reserved::Owned { epoch });
             }
         }
         pending = later;
@@ -115,11 +104,67 @@ pub(super) async fn reserve_many(
     let mut reserved = Vec::with_capacity(rs.len());
     for (r, got) in rs.iter().zip(out) {
         reserved.push(match got {
-            Some(owned) => owned,
+            Some(got) => got,
             None => Reserved::Existing(Box::new(existing(pool, clock, cipher, &r.id).await?)),
         });
     }
     Ok(reserved)
+}
+
+/// One multi-row reservation of `group` (indexes into `rs`): `ON CONFLICT DO NOTHING`, or the
+/// `conflict` action given. Returns the reserved ones with their epochs.
+async fn insert(
+    pool: &PgPool,
+    rs: &[Reservation],
+    mut group: Vec<usize>,
+    conflict: Option<&str>,
+) -> StoreResult<Vec<(usize, i64)>> {
+    if group.is_empty() {
+        return Ok(Vec::new());
+    }
+    // Rows are locked in key order, so two replicas' batches cannot deadlock.
+    group.sort_by(|&a, &b| {
+        let (a, b) = (&rs[a].id, &rs[b].id);
+        (&a.upstream, &a.scope, &a.key).cmp(&(&b.upstream, &b.scope, &b.key))
+    });
+    let col =
+        |f: fn(&Reservation) -> &str| -> Vec<&str> { group.iter().map(|&i| f(&rs[i])).collect() };
+    let entities: Vec<String> = group
+        .iter()
+        .map(|&i| codec::encode_entities(&rs[i].entities))
+        .collect();
+    let leases: Vec<i64> = group.iter().map(|&i| lease_ms(rs[i].lease)).collect();
+    let rows = sqlx::query(&format!(
+        "INSERT INTO idem_keys (upstream, scope, key, fingerprint, route, entities, state, owner, \
+           lease_until, epoch, attempts, created_at, updated_at) \
+         SELECT v.u, v.s, v.k, v.f, v.r, v.e::jsonb, 'in_flight', v.o, t.now_ms + v.l, 1, 1, t.now_ms, t.now_ms \
+         FROM (SELECT {NOW} AS now_ms) t, \
+           UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[]) \
+           WITH ORDINALITY AS v(u, s, k, f, r, e, o, l, n) \
+         ORDER BY v.n \
+         ON CONFLICT (upstream, scope, key) {} \
+         RETURNING upstream, scope, key, epoch",
+        conflict.unwrap_or("DO NOTHING")
+    ))
+    .bind(col(|r| &r.id.upstream))
+    .bind(col(|r| &r.id.scope))
+    .bind(col(|r| &r.id.key))
+    .bind(col(|r| &r.fingerprint))
+    .bind(col(|r| &r.route))
+    .bind(entities)
+    .bind(col(|r| &r.owner))
+    .bind(leases)
+    .fetch_all(pool)
+    .await?;
+    let index = by_id(group.iter().map(|&i| (i, &rs[i].id)));
+    let mut owned = Vec::with_capacity(rows.len());
+    for row in rows {
+        let id: (&str, &str, &str) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
+        if let Some(&i) = index.get(&id) {
+            owned.push((i, row.try_get(3)?));
+        }
+    }
+    Ok(owned)
 }
 
 async fn existing(
