@@ -73,30 +73,65 @@ pub async fn reserve_many(
             }
         }
     }
+    // The records that stand, read in one statement: after a restart (an empty replay cache)
+    // a retry storm's reservations all find theirs (see `pipeline::lookup`).
+    let stood: Vec<&ScopedKey> = rs
+        .iter()
+        .zip(&out)
+        .filter(|(_, got)| got.is_none())
+        .map(|(r, _)| &r.id)
+        .collect();
+    let found: std::collections::HashMap<ScopedKey, crate::store::KeyRecord> =
+        existing(conn, &stood, cipher)
+            .await?
+            .into_iter()
+            .map(|r| (r.id.clone(), r))
+            .collect();
     let mut reserved = Vec::with_capacity(rs.len());
     for (r, got) in rs.iter().zip(out) {
         reserved.push(match got {
             Some(owned) => owned,
-            None => Reserved::Existing(Box::new(existing(conn, &r.id, cipher).await?)),
+            // (A key twice in the batch: the second finds the first's reservation.)
+            None => match found.get(&r.id) {
+                Some(record) => Reserved::Existing(Box::new(record.clone())),
+                None => {
+                    return Err(StoreError::Corrupt(
+                        "the key vanished while it was being reserved".into(),
+                    ))
+                }
+            },
         });
     }
     Ok(reserved)
 }
 
+/// The records of `ids`, in any order.
 async fn existing(
     conn: &mut SqliteConnection,
-    id: &ScopedKey,
+    ids: &[&ScopedKey],
     cipher: Option<&Cipher>,
-) -> StoreResult<crate::store::KeyRecord> {
-    let row = sqlx::query(&format!(
-        "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ? AND scope = ? AND key = ?"
-    ))
-    .bind(&id.upstream)
-    .bind(&id.scope)
-    .bind(&id.key)
-    .fetch_one(&mut *conn)
-    .await?;
-    rows::key_record(&row, cipher)
+) -> StoreResult<Vec<crate::store::KeyRecord>> {
+    let mut records = Vec::with_capacity(ids.len());
+    for chunk in ids.chunks(CHUNK) {
+        let mut qb = QueryBuilder::<Sqlite>::new(format!(
+            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE (upstream, scope, key) IN (VALUES "
+        ));
+        let mut list = qb.separated(", ");
+        for id in chunk {
+            list.push("(")
+                .push_bind_unseparated(&id.upstream)
+                .push_unseparated(", ")
+                .push_bind_unseparated(&id.scope)
+                .push_unseparated(", ")
+                .push_bind_unseparated(&id.key)
+                .push_unseparated(")");
+        }
+        qb.push(")");
+        for row in qb.build().fetch_all(&mut *conn).await? {
+            records.push(rows::key_record(&row, cipher)?);
+        }
+    }
+    Ok(records)
 }
 
 /// Stores every outcome whose epoch still owns its key; `false` for the fenced ones. Effects
