@@ -17,6 +17,8 @@ WORK=$(mktemp -d /tmp/idemproxy-million.XXXXXX)
 cleanup() {
   kill $(cat "$WORK"/*.pid 2>/dev/null) 2>/dev/null || true
   nginx -p "$WORK" -c "$WORK/nginx.conf" -s stop 2>/dev/null || true
+  # Each run leaves a store of hundreds of MB (a million keys: 1 GB): keep KEEP=1 to look.
+  [ "${KEEP:-0}" = 1 ] || rm -rf "$WORK"
 }
 trap cleanup EXIT
 . bench/lib.sh

@@ -23,6 +23,8 @@ cleanup() {
   kill $(cat "$WORK"/*.pid 2>/dev/null) 2>/dev/null || true
   nginx -p "$WORK" -c "$WORK/nginx.conf" -s stop 2>/dev/null || true
   [ -d "$WORK/pg" ] && runuser -u postgres -- "$PG_BIN/pg_ctl" -D "$WORK/pg" -m immediate stop >/dev/null 2>&1 || true
+  # Each run leaves a store of hundreds of MB (a million keys: 1 GB): keep KEEP=1 to look.
+  [ "${KEEP:-0}" = 1 ] || rm -rf "$WORK"
 }
 trap cleanup EXIT
 
