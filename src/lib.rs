@@ -25,8 +25,9 @@
 //! - [`locks`]: in-process one-holder/many-waiters locks for keys and entities.
 //! - [`store`]: the durable store: four small interfaces by concern (keys, entity locks,
 //!   entity states, audit), SQLite (one process, group commit) and PostgreSQL (replicas,
-//!   leases, NOTIFY) backends, the replay cache as a layer in front of either, and stored
-//!   answers sealed at rest (`store::seal`, AES-256-GCM) when an encryption key is set.
+//!   leases, NOTIFY) backends, the replay cache as a layer in front of either (which also
+//!   holds answers given before their commit, `store::settling`), and stored answers sealed
+//!   at rest (`store::seal`, AES-256-GCM) when an encryption key is set.
 //! - [`audit`]: the audit trail (batched, off the request path) and retention purging.
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
 //! - [`metrics`]: counters shared by the pipeline and the admin listener.
