@@ -31,12 +31,19 @@ pub(super) async fn get_many(
     .bind(col(|id| &id.key))
     .fetch_all(pool)
     .await?;
+    // One key may be asked for several times in a batch (concurrent retries, waiters woken
+    // by one completion): each asker gets the record.
+    let mut askers: HashMap<&ScopedKey, Vec<usize>> = HashMap::new();
+    for (i, id) in ids.iter().enumerate() {
+        askers.entry(id).or_default().push(i);
+    }
     let mut out: Vec<Option<KeyRecord>> = ids.iter().map(|_| None).collect();
-    let index = by_id(ids.iter().enumerate());
     for record in clock.records(&rows, cipher)? {
-        let id = &record.id;
-        if let Some(&i) = index.get(&(id.upstream.as_str(), id.scope.as_str(), id.key.as_str())) {
-            out[i] = Some(record);
+        if let Some((last, rest)) = askers.get(&record.id).and_then(|a| a.split_last()) {
+            for &i in rest {
+                out[i] = Some(record.clone());
+            }
+            out[*last] = Some(record);
         }
     }
     Ok(out)
@@ -53,8 +60,33 @@ pub(super) async fn reserve_many(
     clock: &Clock,
     cipher: Option<&Cipher>,
     rs: Vec<Reservation>,
-) -> StoreResult<Vec<Reserved>> {
+) -> StoreResult<Vec<StoreResult<Reserved>>> {
     let mut out: Vec<Option<Reserved>> = rs.iter().map(|_| None).collect();
+    // Each statement commits on its own: when a later one fails, the keys reserved before it
+    // stay reserved, and their callers must hear so (answered with the error, they would
+    // leave the keys in flight, then unknown, with nothing sent). The others get the error.
+    let done = rounds(pool, clock, cipher, &rs, &mut out).await;
+    let mut reserved = Vec::with_capacity(rs.len());
+    for (r, got) in rs.iter().zip(out) {
+        reserved.push(match (got, &done) {
+            (Some(got), _) => Ok(got),
+            (None, Err(e)) => Err(e.clone()),
+            (None, Ok(())) => existing(pool, clock, cipher, &r.id)
+                .await
+                .map(|rec| Reserved::Existing(Box::new(rec))),
+        });
+    }
+    Ok(reserved)
+}
+
+/// The statements of [`reserve_many`], filling `out` as each commits.
+async fn rounds(
+    pool: &PgPool,
+    clock: &Clock,
+    cipher: Option<&Cipher>,
+    rs: &[Reservation],
+    out: &mut [Option<Reserved>],
+) -> StoreResult<()> {
     let mut pending: Vec<usize> = (0..rs.len()).collect();
     // A statement may touch a row once: a key twice in one batch (never from one replica's
     // key slots, but cheap to rule out) waits for the next round, and finds the first's
@@ -66,7 +98,7 @@ pub(super) async fn reserve_many(
         let (takeovers, fresh): (Vec<usize>, Vec<usize>) =
             round.into_iter().partition(|&i| rs[i].take_unknown);
         let mut upserts = takeovers;
-        for (i, epoch) in insert(pool, &rs, fresh.clone(), None).await? {
+        for (i, epoch) in insert(pool, rs, fresh.clone(), None).await? {
             out[i] = Some(Reserved::Owned { epoch });
         }
         let stood: Vec<usize> = fresh.into_iter().filter(|&i| out[i].is_none()).collect();
@@ -95,20 +127,13 @@ pub(super) async fn reserve_many(
                 rules::RESERVE_SET,
                 rules::reservable(if take_unknown { "TRUE" } else { "FALSE" })
             );
-            for (i, epoch) in insert(pool, &rs, group, Some(&conflict)).await? {
+            for (i, epoch) in insert(pool, rs, group, Some(&conflict)).await? {
                 out[i] = Some(Reserved::Owned { epoch });
             }
         }
         pending = later;
     }
-    let mut reserved = Vec::with_capacity(rs.len());
-    for (r, got) in rs.iter().zip(out) {
-        reserved.push(match got {
-            Some(got) => got,
-            None => Reserved::Existing(Box::new(existing(pool, clock, cipher, &r.id).await?)),
-        });
-    }
-    Ok(reserved)
+    Ok(())
 }
 
 /// One multi-row reservation of `group` (indexes into `rs`): `ON CONFLICT DO NOTHING`, or the

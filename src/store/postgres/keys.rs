@@ -27,7 +27,7 @@ impl Keys for PgStore {
         self.gets.call(id.clone()).await
     }
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
-        self.reserves.call(r).await
+        self.reserves.call(r).await?
     }
     fn reservation_reads(&self) -> bool {
         // A new key is inserted with `ON CONFLICT DO NOTHING`: a record that stands is read,

@@ -46,7 +46,8 @@ pub struct PgStore {
     pool: PgPool,
     /// Reservations and outcomes, many per round trip (see [`batch`]).
     gets: batch::Batcher<ScopedKey, Option<KeyRecord>>,
-    reserves: batch::Batcher<Reservation, Reserved>,
+    /// Reservations answer one by one (see `batched::reserve_many`).
+    reserves: batch::Batcher<Reservation, StoreResult<Reserved>>,
     finishes: batch::Batcher<batched::Finishing, bool>,
     hub: Arc<Hub>,
     listener: tokio::task::JoinHandle<()>,

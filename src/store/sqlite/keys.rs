@@ -18,14 +18,58 @@ fn same(row: &sqlx::sqlite::SqliteRow, id: &ScopedKey) -> bool {
         && row.try_get::<&str, _>("key").is_ok_and(|k| k == id.key)
 }
 
-/// Reserves every key it can; the others come back as the record that stands.
+/// Reserves every key it can; the others come back as the record that stands. One result per
+/// reservation: a statement that fails after others reserved keys (outside a transaction, a
+/// lone statement commits as it runs) fails only the reservations it had left.
 pub async fn reserve_many(
     conn: &mut SqliteConnection,
     rs: &[Reservation],
     now: i64,
     cipher: Option<&Cipher>,
-) -> StoreResult<Vec<Reserved>> {
+) -> Vec<StoreResult<Reserved>> {
     let mut out: Vec<Option<Reserved>> = rs.iter().map(|_| None).collect();
+    let done = match upsert(conn, rs, now, &mut out).await {
+        // The records that stand, read in one statement: after a restart (an empty replay
+        // cache) a retry storm's reservations all find theirs (see `pipeline::lookup`).
+        Ok(()) => {
+            let stood: Vec<&ScopedKey> = rs
+                .iter()
+                .zip(&out)
+                .filter(|(_, got)| got.is_none())
+                .map(|(r, _)| &r.id)
+                .collect();
+            existing(conn, &stood, cipher).await.map(|found| {
+                found
+                    .into_iter()
+                    .map(|r| (r.id.clone(), r))
+                    .collect::<std::collections::HashMap<_, _>>()
+            })
+        }
+        Err(e) => Err(e),
+    };
+    rs.iter()
+        .zip(out)
+        .map(|(r, got)| match (got, &done) {
+            (Some(owned), _) => Ok(owned),
+            (None, Err(e)) => Err(e.clone()),
+            // (A key twice in the batch: the second finds the first's reservation.)
+            (None, Ok(found)) => match found.get(&r.id) {
+                Some(record) => Ok(Reserved::Existing(Box::new(record.clone()))),
+                None => Err(StoreError::Corrupt(
+                    "the key vanished while it was being reserved".into(),
+                )),
+            },
+        })
+        .collect()
+}
+
+/// The reservation upserts, filling `out` with the keys taken.
+async fn upsert(
+    conn: &mut SqliteConnection,
+    rs: &[Reservation],
+    now: i64,
+    out: &mut [Option<Reserved>],
+) -> StoreResult<()> {
     // Taking over unknown outcomes is a per-request choice: one statement per choice.
     for take_unknown in [false, true] {
         let group: Vec<usize> = (0..rs.len())
@@ -73,36 +117,7 @@ pub async fn reserve_many(
             }
         }
     }
-    // The records that stand, read in one statement: after a restart (an empty replay cache)
-    // a retry storm's reservations all find theirs (see `pipeline::lookup`).
-    let stood: Vec<&ScopedKey> = rs
-        .iter()
-        .zip(&out)
-        .filter(|(_, got)| got.is_none())
-        .map(|(r, _)| &r.id)
-        .collect();
-    let found: std::collections::HashMap<ScopedKey, crate::store::KeyRecord> =
-        existing(conn, &stood, cipher)
-            .await?
-            .into_iter()
-            .map(|r| (r.id.clone(), r))
-            .collect();
-    let mut reserved = Vec::with_capacity(rs.len());
-    for (r, got) in rs.iter().zip(out) {
-        reserved.push(match got {
-            Some(owned) => owned,
-            // (A key twice in the batch: the second finds the first's reservation.)
-            None => match found.get(&r.id) {
-                Some(record) => Reserved::Existing(Box::new(record.clone())),
-                None => {
-                    return Err(StoreError::Corrupt(
-                        "the key vanished while it was being reserved".into(),
-                    ))
-                }
-            },
-        });
-    }
-    Ok(reserved)
+    Ok(())
 }
 
 /// The records of `ids`, in any order.

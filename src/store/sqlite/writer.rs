@@ -165,6 +165,8 @@ impl Batch {
 
 async fn run(mut conn: SqliteConnection, mut rx: mpsc::Receiver<Msg>, cipher: SharedCipher) {
     let mut msgs = Vec::with_capacity(MAX_BATCH);
+    // Whether the connection is known to be outside any transaction (see `run_batch`).
+    let mut clean = true;
     while rx.recv_many(&mut msgs, MAX_BATCH).await > 0 {
         let mut batch = Batch::default();
         let mut closing = None;
@@ -178,7 +180,7 @@ async fn run(mut conn: SqliteConnection, mut rx: mpsc::Receiver<Msg>, cipher: Sh
             }
         }
         if !batch.is_empty() {
-            run_batch(&mut conn, batch, cipher.as_deref()).await;
+            clean = run_batch(&mut conn, batch, cipher.as_deref(), clean).await;
         }
         if let Some(tx) = closing {
             let _ = tx.send(());
@@ -206,21 +208,27 @@ fn deliver_all<T: Send + 'static>(
 }
 
 /// Runs a batch in one transaction: one statement per kind of request write, then the other
-/// jobs. Callers hear back only after the commit.
+/// jobs. Callers hear back only after the commit. Returns whether the connection is known to
+/// be outside any transaction afterwards (`clean`: whether it was before).
 async fn run_batch(
     conn: &mut SqliteConnection,
     batch: Batch,
     cipher: Option<&crate::store::seal::Cipher>,
-) {
+    clean: bool,
+) -> bool {
     // A batch that is one statement (a lone reservation, the common case at a light load) is
     // its own transaction, committed durably as it runs: two trips to sqlx's worker thread
-    // fewer than BEGIN and COMMIT around it.
-    let single = batch.is_one_statement();
+    // fewer than BEGIN and COMMIT around it. Only on a connection known to be outside any
+    // transaction (after a failed commit, inside one the statement would not commit): until
+    // an explicit transaction commits again, batches begin one, which fails closed.
+    let single = clean && batch.is_one_statement();
     if !single {
         if let Err(e) = sqlx::query("BEGIN IMMEDIATE").execute(&mut *conn).await {
-            // Dropping the batch unrun drops its replies: every caller gets an error.
+            // Dropping the batch unrun drops its replies: every caller gets an error. A
+            // transaction left open by a failed commit is let go for the next batch.
             tracing::error!(error = %e, "SQLite cannot begin a write");
-            return;
+            let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
+            return false;
         }
     }
     let now = crate::store::now_ms();
@@ -235,7 +243,7 @@ async fn run_batch(
     if !batch.reserves.is_empty() {
         let (rs, replies): (Vec<_>, Vec<_>) = batch.reserves.into_iter().unzip();
         let res = super::keys::reserve_many(conn, &rs, now, cipher).await;
-        deliver_all(replies, res, &mut done);
+        done.extend(replies.into_iter().zip(res).map(|(r, v)| deliver(r, v)));
     }
     if !batch.finishes.is_empty() {
         let (fs, replies): (Vec<_>, Vec<_>) = batch
@@ -262,9 +270,11 @@ async fn run_batch(
         false => commit(conn).await,
     };
     tracing::trace!(?sizes, ?ran, total = ?started.elapsed(), "write batch committed");
+    let clean = single || failure.is_none();
     for d in done {
         d(failure.as_deref());
     }
+    clean
 }
 
 /// Commits the batch's transaction: `Some(why)` when it could not.
