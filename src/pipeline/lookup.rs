@@ -109,9 +109,14 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
 /// it (SQLite: no write, no fsync, see [`crate::store::Keys::reservation_reads`]), the
 /// reservation is the look-up: a record it finds comes back to this step (as `ctx.taken`) and
 /// is decided on as if read here. One store trip fewer for every first write.
+///
+/// Not on `in_flight = "reject"` routes: there, concurrent retries of a completed key the cache
+/// does not hold would find its slot taken before anything read the key, and be refused
+/// instead of replayed.
 fn reservation_looks_up(ctx: &Ctx) -> bool {
     ctx.p.entities.is_empty()
         && ctx.route.precheck.is_none()
+        && ctx.route.in_flight != InFlight::Reject
         && ctx.legacy_scope.is_none()
         && ctx.state.store.reservation_reads()
 }

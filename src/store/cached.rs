@@ -151,23 +151,21 @@ impl Keys for CachedStore {
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
         let record = self.inner.get(id).await?;
         if let Some(rec) = &record {
-            if rec.effective_state(now_ms()) == KeyState::Completed {
-                // A sealed answer is never cached: each look-up meets it (and refuses it) anew.
-                if let (Some(StoredAnswer::Open(resp)), Some(exp)) = (&rec.response, rec.expires_at)
-                {
-                    self.entries
-                        .put(&rec.id, &rec.fingerprint, Arc::new(resp.clone()), exp);
-                }
-            }
+            self.keep(rec);
         }
         Ok(record)
     }
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
         let (id, fingerprint) = (r.id.clone(), r.fingerprint.clone());
         let reserved = self.inner.reserve(r).await?;
-        if matches!(reserved, Reserved::Owned { .. }) {
-            let mut map = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
-            map.insert(id, (fingerprint, None));
+        match &reserved {
+            Reserved::Owned { .. } => {
+                let mut map = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
+                map.insert(id, (fingerprint, None));
+            }
+            // The reservation was the look-up (see `Keys::reservation_reads`): what it found
+            // fills the cache as a read would.
+            Reserved::Existing(rec) => self.keep(rec),
         }
         Ok(reserved)
     }
@@ -224,6 +222,9 @@ impl Keys for CachedStore {
         self.inner.subscribe_key(id)
     }
     async fn release_key(&self, key: &str) -> StoreResult<u64> {
+        // An operator's act, like an operator's read, comes after the answers already given
+        // (a key answered and not yet committed is still in flight: not releasable).
+        self.settling.settle().await;
         let n = self.inner.release_key(key).await?;
         self.entries.forget(Some(key));
         Ok(n)
@@ -242,6 +243,18 @@ impl Keys for CachedStore {
 }
 
 impl CachedStore {
+    /// Caches a completed record read from the store. A sealed answer is never cached: each
+    /// look-up meets it (and refuses it) anew.
+    fn keep(&self, rec: &KeyRecord) {
+        if rec.effective_state(now_ms()) != KeyState::Completed {
+            return;
+        }
+        if let (Some(StoredAnswer::Open(resp)), Some(exp)) = (&rec.response, rec.expires_at) {
+            self.entries
+                .put(&rec.id, &rec.fingerprint, Arc::new(resp.clone()), exp);
+        }
+    }
+
     /// The fingerprint the key was reserved with, known to the reservation's owner: the
     /// finish carries only the answer.
     fn reserved_fingerprint(&self, id: &ScopedKey) -> Option<(String, Option<u64>)> {
@@ -284,6 +297,8 @@ impl EntityStates for CachedStore {
         self.inner.entity_states(entities).await
     }
     async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
+        // After the claims of answers already given are stored, or they would undo it.
+        self.settling.settle().await;
         self.inner.release_claim(entity).await
     }
     async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>> {
@@ -291,6 +306,7 @@ impl EntityStates for CachedStore {
         self.inner.find_entities(entity).await
     }
     async fn reset_version(&self, entity: &str) -> StoreResult<u64> {
+        self.settling.settle().await;
         self.inner.reset_version(entity).await
     }
 }
