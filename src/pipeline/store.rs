@@ -6,8 +6,8 @@
 //! reservation, committed before the forward, is what stops a second forward, and the key's
 //! slot and entity locks are held until the commit, so the next write to the entity, or a
 //! retry the cache cannot serve, sees the stored outcome. What a crash between the answer and
-//! the commit leaves: the key unknown (never forwarded again), and the entity effects of that
-//! answer (version, claim) unrecorded — as for a crash just after the upstream answered.
+//! the commit leaves: the key unknown (never forwarded again). Answers with entity effects (a
+//! version, a claim) wait for their commit.
 
 use super::outcome::{Answer, Outcome};
 use super::{Ctx, Detached, Reply};
@@ -55,8 +55,9 @@ async fn decide(ctx: &mut Ctx, called: Called) -> (Outcome, Finish) {
     }
 }
 
-/// Whether the caller may be answered before the outcome commits: a full answer, stored, that
-/// the store keeps where a retry finds it (and `store.answer_before_commit` is not off).
+/// Whether the caller may be answered before the outcome commits: a full answer, stored, with
+/// no entity effects, that the store keeps where a retry finds it (and
+/// `store.answer_before_commit` is not off).
 fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> bool {
     let full = ctx.state.config.store.answer_before_commit
         && matches!(
@@ -67,11 +68,15 @@ fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> bool {
             }
         );
     match finish {
+        // An answer that records a version or a claim waits for its commit: a crash must not
+        // leave a caller told "done" while the entity's fence or claim is unrecorded.
         Finish::Completed {
             response,
             expires_at,
-            ..
-        } if full => ctx.state.store.remember(&ctx.p.id, response, *expires_at),
+            effects,
+        } if full && effects.is_empty() => {
+            ctx.state.store.remember(&ctx.p.id, response, *expires_at)
+        }
         _ => false,
     }
 }
