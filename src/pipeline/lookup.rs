@@ -105,10 +105,10 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
 }
 
 /// When nothing stands between the look-up and the reservation (no entity to lock, no check
-/// or pre-check to run) and the store finds a record at reservation as cheaply as by reading
-/// it (SQLite: no write, no fsync, see [`crate::store::Keys::reservation_reads`]), the
-/// reservation is the look-up: a record it finds comes back to this step (as `ctx.taken`) and
-/// is decided on as if read here. One store trip fewer for every first write.
+/// or pre-check to run), the reservation is the look-up: a store finds a record at
+/// reservation as cheaply as by reading it (see [`crate::store::Keys::reserve`]), and a record
+/// it finds comes back to this step (as `ctx.taken`) and is decided on as if read here. One
+/// store trip fewer for every first write.
 ///
 /// Not on `in_flight = "reject"` routes: there, concurrent retries of a completed key the cache
 /// does not hold would find its slot taken before anything read the key, and be refused
@@ -118,7 +118,6 @@ fn reservation_looks_up(ctx: &Ctx) -> bool {
         && ctx.route.precheck.is_none()
         && ctx.route.in_flight != InFlight::Reject
         && ctx.legacy_scope.is_none()
-        && ctx.state.store.reservation_reads()
 }
 
 async fn get(ctx: &Ctx, id: &ScopedKey) -> ProxyResult<Option<KeyRecord>> {

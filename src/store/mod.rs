@@ -190,16 +190,13 @@ pub trait Keys: Send + Sync + 'static {
     /// Reads one record.
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>>;
     /// Atomically makes the key ours (absent, released, expired — or unknown when
-    /// `take_unknown`), committed durably before it returns; else returns what stands.
+    /// `take_unknown`), committed durably before it returns; else returns what stands. Finding
+    /// a record that stands costs no more than reading it — it changes nothing and commits
+    /// nothing to disk — so a request with nothing to lock or check lets its reservation be its
+    /// look-up (see `pipeline::lookup`).
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved>;
     /// Records the outcome if we still own `epoch`; `false` when fenced off.
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool>;
-    /// A reservation that finds a record standing costs no more than reading it (changes
-    /// nothing, commits nothing to disk), so a request with nothing to lock or check may skip
-    /// its look-up and let the reservation find the record (see `pipeline::lookup`).
-    fn reservation_reads(&self) -> bool {
-        false
-    }
     /// Before [`Keys::finish`] of a key this process reserved: keeps its answer where a retry
     /// finds it at once (the replay cache), so the caller can be answered before the commit.
     /// `false` when it cannot (no cache, or the answer does not fit): answer after the commit.

@@ -26,13 +26,10 @@ impl Keys for PgStore {
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
         self.gets.call(id.clone()).await
     }
+    /// New keys go in with `ON CONFLICT DO NOTHING`: a record that stands is read, not locked
+    /// (see `batched::reserve_many`).
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
         self.reserves.call(r).await?
-    }
-    fn reservation_reads(&self) -> bool {
-        // A new key is inserted with `ON CONFLICT DO NOTHING`: a record that stands is read,
-        // not locked (see `batched::reserve_many`).
-        true
     }
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
         let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;

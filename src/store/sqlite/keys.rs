@@ -256,12 +256,9 @@ impl Keys for SqliteStore {
             .transpose()
     }
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
-        self.writer.reserve(r).await
-    }
-    fn reservation_reads(&self) -> bool {
         // The upsert's `WHERE` leaves a standing record untouched: no page is written, so its
         // commit writes nothing and syncs nothing.
-        true
+        self.writer.reserve(r).await
     }
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
         // Sealed here, on the request's task, not on the one writer task (which opens only the
