@@ -163,8 +163,8 @@ impl Keys for CachedStore {
                 let mut map = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
                 map.insert(id, (fingerprint, None));
             }
-            // The reservation was the look-up (see `Keys::reservation_reads`): what it found
-            // fills the cache as a read would.
+            // The reservation was the look-up (see `Keys::reserve`): what it found fills the
+            // cache as a read would.
             Reserved::Existing(rec) => self.keep(rec),
         }
         Ok(reserved)
@@ -182,9 +182,11 @@ impl Keys for CachedStore {
         let answered = answered.flatten();
         let stored = self.inner.finish(id, epoch, outcome).await;
         match (&stored, completed, fingerprint) {
-            (Ok(true), Some((response, expires_at)), Some(fp)) => {
+            // (An answer remembered before the commit is in already.)
+            (Ok(true), Some((response, expires_at)), Some(fp)) if answered.is_none() => {
                 self.entries.put(id, &fp, response, expires_at);
             }
+            (Ok(true), ..) => {}
             // Answered from the cache before a commit that did not store it: the store says
             // in flight (unknown after a restart), and so must the cache.
             _ if answered.is_some() => {
@@ -196,9 +198,6 @@ impl Keys for CachedStore {
             self.settling.end(n);
         }
         stored
-    }
-    fn reservation_reads(&self) -> bool {
-        self.inner.reservation_reads()
     }
     fn remember(&self, id: &ScopedKey, response: &Arc<StoredResponse>, expires_at: i64) -> bool {
         let mut map = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
