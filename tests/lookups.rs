@@ -153,3 +153,46 @@ async fn concurrent_retries_after_a_restart_on_a_reject_route_all_replay() {
     assert!(refused.is_empty(), "replays refused: {refused:?}");
     assert_eq!(upstream.count(), 1);
 }
+
+/// The same path with hostile callers: after a restart (an empty replay cache, so each
+/// request's reservation is its look-up), another caller's credentials with the same key get a
+/// write of their own, never the stored answer; the same caller with another body is refused
+/// and nothing is sent; the first caller's retry replays its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_a_reservation_found_never_serves_another_caller_or_body() {
+    let upstream = RecordingUpstream::start().await;
+    let dir = TestDir::new();
+    let cfg = dir.write_config(&api_config(&upstream, "", "", CHARGES_ROUTE));
+    let send = |url: String, who: &'static str, body: &'static str| async move {
+        let headers = [
+            ("idempotency-key", "shared-1"),
+            ("authorization", who),
+            ("content-type", "application/json"),
+        ];
+        request("POST", &url, &headers, body).await
+    };
+    let mut first = ProxyProcess::spawn(&cfg).await;
+    let a = send(first.url("/api/v1/charges"), "Bearer A", r#"{"a":1}"#).await;
+    a.assert_status(200);
+    let shown = get(&first.admin_url("/admin/keys/shared-1")).await;
+    assert_eq!(shown.json()["records"][0]["state"], "completed");
+    first.kill().await;
+
+    let restarted = ProxyProcess::spawn(&cfg).await;
+    let url = restarted.url("/api/v1/charges");
+    let other = send(url.clone(), "Bearer B", r#"{"a":1}"#).await;
+    other.assert_status(200);
+    assert_eq!(other.replayed(), Some(false), "B's write is its own");
+    assert_ne!(other.body, a.body, "B never gets A's answer");
+    assert_eq!(upstream.count(), 2);
+
+    let reused = send(url.clone(), "Bearer A", r#"{"a":2}"#).await;
+    assert_eq!(reused.status, 422);
+    assert_eq!(reused.error_type(), Some("key_reused"));
+    assert_eq!(upstream.count(), 2, "a reused key is never sent");
+
+    let retry = send(url, "Bearer A", r#"{"a":1}"#).await;
+    assert_eq!(retry.replayed(), Some(true));
+    assert_eq!(retry.body, a.body);
+    assert_eq!(upstream.count(), 2);
+}
