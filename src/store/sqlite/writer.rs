@@ -15,6 +15,8 @@ use tokio::sync::{mpsc, oneshot};
 
 /// Most jobs committed together.
 const MAX_BATCH: usize = 256;
+// A batch's reservations (or outcomes) fit one multi-row statement.
+const _: () = assert!(MAX_BATCH <= super::keys::CHUNK);
 
 /// A future borrowing the writer's connection.
 pub type ConnFuture<'c, T> = Pin<Box<dyn Future<Output = StoreResult<T>> + Send + 'c>>;
@@ -138,16 +140,14 @@ impl Batch {
             return false;
         }
         let first = self.reserves.first().map(|(r, _)| r.take_unknown);
-        let reserves = self.reserves.len() <= super::keys::CHUNK
-            && self
-                .reserves
-                .iter()
-                .all(|(r, _)| Some(r.take_unknown) == first);
-        let finishes = self.finishes.len() <= super::keys::CHUNK
-            && self
-                .finishes
-                .iter()
-                .all(|(_, _, f, _)| f.effects.is_empty());
+        let reserves = self
+            .reserves
+            .iter()
+            .all(|(r, _)| Some(r.take_unknown) == first);
+        let finishes = self
+            .finishes
+            .iter()
+            .all(|(_, _, f, _)| f.effects.is_empty());
         match (self.reserves.is_empty(), self.finishes.is_empty()) {
             (false, true) => reserves,
             (true, false) => finishes,
