@@ -122,6 +122,9 @@ async fn rounds(
                 .copied()
                 .filter(|&i| rs[i].take_unknown == take_unknown)
                 .collect();
+            if group.is_empty() {
+                continue;
+            }
             let conflict = format!(
                 "DO UPDATE SET {} WHERE {}",
                 rules::RESERVE_SET,
