@@ -1,43 +1,35 @@
 //! The audit trail and retention on SQLite.
 
 use super::*;
-use sqlx::SqliteConnection;
+use rusqlite::{params, Connection};
 
-/// One multi-row insert for the whole batch (one statement, not one per row).
-pub async fn append_audit(conn: &mut SqliteConnection, rows: &[AuditRow]) -> StoreResult<()> {
-    // Fixed-size chunks: a handful of statement shapes, each prepared once and cached,
-    // instead of a new statement (and a new prepare) for every batch size.
-    for chunk in rows.chunks(64) {
-        let mut qb = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
-            "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-             total_ms, lock_wait_ms, upstream_ms, expires_at) ",
-        );
-        qb.push_values(chunk, |mut b, r| {
-            b.push_bind(r.at)
-                .push_bind(&r.upstream)
-                .push_bind(&r.route)
-                .push_bind(encode_entities(&r.entities))
-                .push_bind(&r.key)
-                .push_bind(&r.fingerprint)
-                .push_bind(&r.decision)
-                .push_bind(r.upstream_status.map(i64::from))
-                .push_bind(r.total_ms)
-                .push_bind(r.lock_wait_ms)
-                .push_bind(r.upstream_ms)
-                .push_bind(r.expires_at);
-        });
-        qb.build().execute(&mut *conn).await?;
+/// The batch's audit rows, one prepared insert each, inside the writer's transaction.
+pub fn append_audit(conn: &Connection, rows: &[AuditRow]) -> StoreResult<()> {
+    let mut stmt = conn.prepare_cached(
+        "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
+         total_ms, lock_wait_ms, upstream_ms, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
+    )?;
+    for r in rows {
+        stmt.execute(params![
+            r.at,
+            r.upstream,
+            r.route,
+            encode_entities(&r.entities),
+            r.key,
+            r.fingerprint,
+            r.decision,
+            r.upstream_status.map(i64::from),
+            r.total_ms,
+            r.lock_wait_ms,
+            r.upstream_ms,
+            r.expires_at,
+        ])?;
     }
     Ok(())
 }
 
 /// One small batch of each kind of expired row.
-pub async fn purge(
-    conn: &mut SqliteConnection,
-    now: i64,
-    batch: i64,
-    released_before: i64,
-) -> StoreResult<u64> {
+pub fn purge(conn: &Connection, now: i64, batch: i64, released_before: i64) -> StoreResult<u64> {
     let by_time = [
         // INDEXED BY: without statistics SQLite prefers the state index and walks every
         // completed key (1.6 s at a million) on the writer; the partial index holds only rows
@@ -55,21 +47,14 @@ pub async fn purge(
     ];
     let mut n = 0;
     for (sql, before) in by_time {
-        n += sqlx::query(sql)
-            .bind(before)
-            .bind(batch)
-            .execute(&mut *conn)
-            .await?
-            .rows_affected();
+        n += conn.prepare_cached(sql)?.execute(params![before, batch])? as u64;
     }
-    n += sqlx::query(
-        "DELETE FROM idem_entities WHERE entity IN (SELECT entity FROM idem_entities \
-         INDEXED BY idem_entities_empty WHERE version IS NULL AND claim_key IS NULL LIMIT ?1)",
-    )
-    .bind(batch)
-    .execute(&mut *conn)
-    .await?
-    .rows_affected();
+    n += conn
+        .prepare_cached(
+            "DELETE FROM idem_entities WHERE entity IN (SELECT entity FROM idem_entities \
+             INDEXED BY idem_entities_empty WHERE version IS NULL AND claim_key IS NULL LIMIT ?1)",
+        )?
+        .execute(params![batch])? as u64;
     Ok(n)
 }
 
@@ -102,9 +87,7 @@ impl AuditLog for SqliteStore {
     }
     async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64> {
         self.writer
-            .write(move |c, now| {
-                Box::pin(async move { purge(c, now, batch, released_before).await })
-            })
+            .write(move |ctx| purge(ctx.conn, ctx.now, batch, released_before))
             .await
     }
 }

@@ -1,32 +1,28 @@
-//! Entity state on SQLite: versions and claims, written inside the writer's batch
-//! transaction, read from the read pool.
+//! Entity state on SQLite: versions and claims, written by the writer thread inside its
+//! batch's transaction, read from the read pool.
 
 use super::*;
-use sqlx::SqliteConnection;
+use rusqlite::{params, Connection};
 
 /// Version and claim changes of a 2xx write. SQLite serves one process, whose in-process
 /// entity locks make the writer the only holder: no lease to check.
-pub(super) async fn apply_effects(
-    conn: &mut SqliteConnection,
+pub(super) fn apply_effects(
+    conn: &Connection,
     id: &ScopedKey,
     fx: &Effects,
     now: i64,
 ) -> StoreResult<()> {
     for entity in &fx.entities {
         if let Some(v) = fx.version {
-            sqlx::query(
+            conn.prepare_cached(
                 "INSERT INTO idem_entities (entity, version, updated_at) VALUES (?1, ?2, ?3) \
                  ON CONFLICT (entity) DO UPDATE SET version = excluded.version, updated_at = excluded.updated_at \
                  WHERE idem_entities.version IS NULL OR idem_entities.version < excluded.version",
-            )
-            .bind(entity)
-            .bind(v)
-            .bind(now)
-            .execute(&mut *conn)
-            .await?;
+            )?
+            .execute(params![entity, v, now])?;
         }
         if let Some(until) = fx.claim_until {
-            sqlx::query(
+            conn.prepare_cached(
                 "INSERT INTO idem_entities (entity, claim_upstream, claim_scope, claim_key, claim_until, updated_at) \
                  VALUES (?1, ?2, ?3, ?4, ?5, ?6) \
                  ON CONFLICT (entity) DO UPDATE SET claim_upstream = excluded.claim_upstream, \
@@ -34,71 +30,48 @@ pub(super) async fn apply_effects(
                    claim_until = excluded.claim_until, updated_at = excluded.updated_at \
                  WHERE idem_entities.claim_key IS NULL OR idem_entities.claim_until <= ?6 \
                     OR (idem_entities.claim_upstream = ?2 AND idem_entities.claim_scope = ?3 AND idem_entities.claim_key = ?4)",
-            )
-            .bind(entity)
-            .bind(&id.upstream)
-            .bind(&id.scope)
-            .bind(&id.key)
-            .bind(until)
-            .bind(now)
-            .execute(&mut *conn)
-            .await?;
+            )?
+            .execute(params![entity, id.upstream, id.scope, id.key, until, now])?;
         }
         if fx.release_claim {
-            release_claim(conn, entity, now).await?;
+            release_claim(conn, entity, now)?;
         }
     }
     Ok(())
 }
 
-pub async fn release_claim(
-    conn: &mut SqliteConnection,
-    entity: &str,
-    now: i64,
-) -> StoreResult<bool> {
-    let res = sqlx::query(
-        "UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL, \
-         updated_at = ?2 WHERE entity = ?1 AND claim_key IS NOT NULL",
-    )
-    .bind(entity)
-    .bind(now)
-    .execute(&mut *conn)
-    .await?;
-    Ok(res.rows_affected() == 1)
+pub fn release_claim(conn: &Connection, entity: &str, now: i64) -> StoreResult<bool> {
+    let changed = conn
+        .prepare_cached(
+            "UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL, \
+             updated_at = ?2 WHERE entity = ?1 AND claim_key IS NOT NULL",
+        )?
+        .execute(params![entity, now])?;
+    Ok(changed == 1)
 }
 
 /// The operator's claim release: the entity and its scoped variants.
-pub async fn release_claims(
-    conn: &mut SqliteConnection,
-    entity: &str,
-    now: i64,
-) -> StoreResult<bool> {
-    let res = sqlx::query(&format!(
-        "UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL, \
-         updated_at = ?2 WHERE {} AND claim_key IS NOT NULL",
-        names_entity("entity", "?1")
-    ))
-    .bind(entity)
-    .bind(now)
-    .execute(&mut *conn)
-    .await?;
-    Ok(res.rows_affected() > 0)
+pub fn release_claims(conn: &Connection, entity: &str, now: i64) -> StoreResult<bool> {
+    let changed = conn.execute(
+        &format!(
+            "UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL, \
+             updated_at = ?2 WHERE {} AND claim_key IS NOT NULL",
+            names_entity("entity", "?1")
+        ),
+        params![entity, now],
+    )?;
+    Ok(changed > 0)
 }
 
-pub async fn reset_version(
-    conn: &mut SqliteConnection,
-    entity: &str,
-    now: i64,
-) -> StoreResult<u64> {
-    let res = sqlx::query(&format!(
-        "UPDATE idem_entities SET version = NULL, updated_at = ?2 WHERE {} AND version IS NOT NULL",
-        names_entity("entity", "?1")
-    ))
-    .bind(entity)
-    .bind(now)
-    .execute(&mut *conn)
-    .await?;
-    Ok(res.rows_affected())
+pub fn reset_version(conn: &Connection, entity: &str, now: i64) -> StoreResult<u64> {
+    let changed = conn.execute(
+        &format!(
+            "UPDATE idem_entities SET version = NULL, updated_at = ?2 WHERE {} AND version IS NOT NULL",
+            names_entity("entity", "?1")
+        ),
+        params![entity, now],
+    )?;
+    Ok(changed as u64)
 }
 
 #[async_trait]
@@ -115,7 +88,7 @@ impl EntityStates for SqliteStore {
     async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
         let entity = entity.to_owned();
         self.writer
-            .write(move |c, now| Box::pin(async move { release_claims(c, &entity, now).await }))
+            .write(move |ctx| release_claims(ctx.conn, &entity, ctx.now))
             .await
     }
     async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>> {
@@ -131,7 +104,7 @@ impl EntityStates for SqliteStore {
     async fn reset_version(&self, entity: &str) -> StoreResult<u64> {
         let entity = entity.to_owned();
         self.writer
-            .write(move |c, now| Box::pin(async move { reset_version(c, &entity, now).await }))
+            .write(move |ctx| reset_version(ctx.conn, &entity, ctx.now))
             .await
     }
 }

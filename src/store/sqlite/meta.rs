@@ -1,32 +1,33 @@
 //! Facts about the store itself: the scope secret's id, and the readiness probe row.
 
 use super::*;
-use sqlx::SqliteConnection;
+use rusqlite::{params, Connection};
 
-pub async fn scope_secret(conn: &mut SqliteConnection, id: &str) -> StoreResult<ScopeCheck> {
-    sqlx::query("INSERT INTO idem_meta (name, value) VALUES ('scope_secret_id', ?1) ON CONFLICT (name) DO NOTHING")
-        .bind(id)
-        .execute(&mut *conn)
-        .await?;
-    let recorded: String =
-        sqlx::query_scalar("SELECT value FROM idem_meta WHERE name = 'scope_secret_id'")
-            .fetch_one(&mut *conn)
-            .await?;
-    let legacy_keys: bool = sqlx::query_scalar(&format!(
-        "SELECT EXISTS (SELECT 1 FROM idem_keys WHERE {LEGACY_SCOPE})"
-    ))
-    .fetch_one(&mut *conn)
-    .await?;
+pub fn scope_secret(conn: &Connection, id: &str) -> StoreResult<ScopeCheck> {
+    conn.execute(
+        "INSERT INTO idem_meta (name, value) VALUES ('scope_secret_id', ?1) ON CONFLICT (name) DO NOTHING",
+        params![id],
+    )?;
+    let recorded: String = conn.query_row(
+        "SELECT value FROM idem_meta WHERE name = 'scope_secret_id'",
+        [],
+        |row| row.get(0),
+    )?;
+    let legacy_keys: bool = conn.query_row(
+        &format!("SELECT EXISTS (SELECT 1 FROM idem_keys WHERE {LEGACY_SCOPE})"),
+        [],
+        |row| row.get(0),
+    )?;
     Ok(ScopeCheck {
         recorded,
         legacy_keys,
     })
 }
 
-pub async fn probe(conn: &mut SqliteConnection, now: i64) -> StoreResult<()> {
-    sqlx::query("INSERT INTO idem_probe (id, at) VALUES (1, ?) ON CONFLICT (id) DO UPDATE SET at = excluded.at")
-        .bind(now)
-        .execute(&mut *conn)
-        .await?;
+pub fn probe(conn: &Connection, now: i64) -> StoreResult<()> {
+    conn.prepare_cached(
+        "INSERT INTO idem_probe (id, at) VALUES (1, ?1) ON CONFLICT (id) DO UPDATE SET at = excluded.at",
+    )?
+    .execute(params![now])?;
     Ok(())
 }

@@ -1,16 +1,18 @@
-//! SQLite backend: WAL, `synchronous = FULL`, one writer task with group commit.
+//! SQLite backend: WAL, durable commits, one writer thread with group commit.
 //!
-//! Every write goes through one connection owned by a writer task. The task drains whatever
-//! writes are queued (up to [`MAX_BATCH`]) into one transaction and answers each caller only
-//! after the `COMMIT` — so a reservation is durable before anything is forwarded, yet twenty
-//! concurrent first writes share one fsync instead of paying twenty. Reads use a separate pool
-//! (WAL lets them run beside the writer).
+//! Every write goes through one connection owned by a writer thread ([`writer`]). It drains
+//! whatever writes are queued into one transaction and answers each caller only after the
+//! `COMMIT` is on disk ([`durable`]: the `fsync` runs on a thread of its own, beside the next
+//! batch) — so a reservation is durable before anything is forwarded, yet many concurrent
+//! first writes share one fsync instead of paying one each. Reads use a separate pool (sqlx;
+//! WAL lets them run beside the writer).
 //!
 //! SQLite serves one `serve` process: with `exclusive`, the store takes an OS lock on
 //! `<db>.lock`, so a second `serve` on the same file refuses to start, and any record still
 //! `in_flight` at start was left by a dead process: it becomes `unknown` at once.
 
 mod audit;
+mod durable;
 mod entities;
 mod keys;
 mod meta;
@@ -20,7 +22,7 @@ mod writer;
 use super::codec::encode_entities;
 use super::*;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Connection, SqliteConnection, SqlitePool};
+use sqlx::SqlitePool;
 use std::str::FromStr;
 use std::sync::Arc;
 use writer::Writer;
@@ -51,17 +53,11 @@ impl SqliteStore {
         exclusive: bool,
         cipher: SharedCipher,
     ) -> StoreResult<SqliteStore> {
-        let mut opts = SqliteConnectOptions::from_str(url)?
+        let opts = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(5));
-        if cipher.is_some() {
-            // Deleted rows (purged keys, answers replaced by a new attempt) are zeroed where
-            // that costs no extra I/O, so clear answers written before encryption was turned
-            // on do not linger in free pages once purged.
-            opts = opts.pragma("secure_delete", "FAST");
-        }
         owner_only(opts.get_filename())?;
         let lock = if exclusive {
             Some(lock_file(opts.get_filename())?)
@@ -75,18 +71,9 @@ impl SqliteStore {
             .connect_with(opts.clone())
             .await?;
         sqlx::migrate!("migrations/sqlite").run(&reads).await?;
-        // The writer's multi-row statements come in many shapes (one per batch size): keep
-        // them all prepared.
-        let mut conn =
-            SqliteConnection::connect_with(&opts.clone().statement_cache_capacity(1024)).await?;
-        if exclusive {
-            // Whoever owned these is gone (we hold the process lock): outcome unknown.
-            sqlx::query("UPDATE idem_keys SET state = 'unknown', owner = NULL, updated_at = ? WHERE state = 'in_flight'")
-                .bind(now_ms())
-                .execute(&mut conn)
-                .await?;
-        }
-        let writer = Arc::new(Writer::start(conn, cipher.clone()));
+        let conn = writer_connection(opts.get_filename(), cipher.is_some(), exclusive)?;
+        let syncer = pipelined_sync(&conn, opts.get_filename())?;
+        let writer = Arc::new(Writer::start(conn, cipher.clone(), syncer)?);
         let observer = releases::Observer::default();
         let stop = tokio_util::sync::CancellationToken::new();
         if exclusive {
@@ -106,6 +93,81 @@ impl SqliteStore {
             stop,
             cipher,
         })
+    }
+}
+
+/// The writer's own connection (`rusqlite`, on the same SQLite library as the read pool): WAL,
+/// `synchronous = FULL` until [`pipelined_sync`] takes the sync over.
+fn writer_connection(
+    db: &std::path::Path,
+    secure_delete: bool,
+    exclusive: bool,
+) -> StoreResult<rusqlite::Connection> {
+    if db.as_os_str().is_empty() || db.as_os_str() == ":memory:" {
+        return Err(StoreError::Unavailable(
+            "the SQLite store needs a database file (an in-memory database is not durable)".into(),
+        ));
+    }
+    let conn = rusqlite::Connection::open(db)?;
+    conn.busy_timeout(Duration::from_secs(5))?;
+    conn.set_prepared_statement_cache_capacity(64);
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    if secure_delete {
+        // Deleted rows (purged keys, answers replaced by a new attempt) are zeroed where that
+        // costs no extra I/O, so clear answers written before encryption was turned on do not
+        // linger in free pages once purged.
+        conn.pragma_update(None, "secure_delete", "FAST")?;
+    }
+    if exclusive {
+        // Whoever owned these is gone (we hold the process lock): outcome unknown.
+        conn.execute(
+            "UPDATE idem_keys SET state = 'unknown', owner = NULL, updated_at = ?1 WHERE state = 'in_flight'",
+            [now_ms()],
+        )?;
+    }
+    Ok(conn)
+}
+
+/// Moves the writer's `fsync` off its critical path (see [`durable`]): a first durable write
+/// (under `FULL`, which creates the WAL and syncs its directory entry), then the syncer on that
+/// WAL and `synchronous = NORMAL` on the writer's connection. Where the WAL cannot be opened,
+/// the connection stays `FULL` and syncs every commit itself.
+fn pipelined_sync(
+    conn: &rusqlite::Connection,
+    db: &std::path::Path,
+) -> StoreResult<Option<durable::Syncer>> {
+    meta::probe(conn, now_ms())?;
+    match durable::Syncer::start(db) {
+        Ok(syncer) => {
+            conn.pragma_update(None, "synchronous", "NORMAL")?;
+            Ok(Some(syncer))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, db = %db.display(), "SQLite WAL not found: every commit syncs on the writer");
+            Ok(None)
+        }
+    }
+}
+
+/// A row of the writer's connection, read through the decoders both backends share.
+pub(super) struct Lite<'a, 'r>(pub &'a rusqlite::Row<'r>);
+
+impl rows::Cols for Lite<'_, '_> {
+    fn text(&self, col: &str) -> StoreResult<String> {
+        Ok(self.0.get(col)?)
+    }
+    fn opt_text(&self, col: &str) -> StoreResult<Option<String>> {
+        Ok(self.0.get(col)?)
+    }
+    fn int(&self, col: &str) -> StoreResult<i64> {
+        Ok(self.0.get(col)?)
+    }
+    fn opt_int(&self, col: &str) -> StoreResult<Option<i64>> {
+        Ok(self.0.get(col)?)
+    }
+    fn opt_bytes(&self, col: &str) -> StoreResult<Option<Vec<u8>>> {
+        Ok(self.0.get(col)?)
     }
 }
 
@@ -245,13 +307,13 @@ impl Store for SqliteStore {
     async fn scope_secret(&self, id: &str) -> StoreResult<ScopeCheck> {
         let id = id.to_owned();
         self.writer
-            .write(move |c, _now| Box::pin(async move { meta::scope_secret(c, &id).await }))
+            .write(move |ctx| meta::scope_secret(ctx.conn, &id))
             .await
     }
     async fn ping(&self) -> StoreResult<()> {
         sqlx::query("SELECT 1").execute(&self.reads).await?;
         self.writer
-            .write(|c, now| Box::pin(async move { meta::probe(c, now).await }))
+            .write(|ctx| meta::probe(ctx.conn, ctx.now))
             .await
     }
     async fn close(&self) {

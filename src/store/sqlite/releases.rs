@@ -54,17 +54,15 @@ pub(super) fn watch(
             }
             seen = last;
             let ack = writer
-                .write(move |c, _| {
-                    Box::pin(async move {
-                        sqlx::query(
+                .write(move |ctx| {
+                    ctx.conn
+                        .execute(
                             "INSERT INTO idem_meta (name, value) VALUES ('releases_seen', ?1) \
-                                     ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                             ON CONFLICT (name) DO UPDATE SET value = excluded.value",
+                            [last.to_string()],
                         )
-                        .bind(last.to_string())
-                        .execute(&mut *c)
-                        .await?;
-                        Ok(())
-                    })
+                        .map(|_| ())
+                        .map_err(StoreError::from)
                 })
                 .await;
             if let Err(e) = ack {

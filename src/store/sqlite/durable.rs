@@ -1,0 +1,136 @@
+//! Pipelined durability: the writer commits without waiting for the disk, and a thread of
+//! its own makes each commit durable before anyone hears of it.
+//!
+//! With `synchronous = FULL` every commit waits for its own `fsync` of the WAL, and the one
+//! writer sits idle meanwhile: a third of its time at 64 concurrent first writes. Here the
+//! writer's connection commits with `synchronous = NORMAL` (frames written to the WAL, not
+//! synced) and hands the batch's replies to the syncer, which calls `fdatasync` on the WAL and
+//! only then delivers every reply queued before that call began. The writer meanwhile runs the
+//! next batch, so one `fsync` covers as many batches as the disk's latency lets through.
+//!
+//! What a caller is told is exactly as durable as under `FULL`: a reply is delivered only after
+//! an `fdatasync` of the WAL that began after its commit's frames were written, and WAL
+//! recovery replays every commit whose frames reached the disk. `NORMAL` keeps the database
+//! itself safe from corruption on power loss (SQLite syncs the WAL before each checkpoint and
+//! the database after it). What changes is what *other readers* may see: a commit is visible
+//! to the read pool up to one `fdatasync` before it is durable, so a power loss (not a process
+//! crash: the OS still holds those writes) can lose a completion that a concurrent retry was
+//! already replayed. That retry's key is then `unknown` after the restart, never forwarded
+//! twice: the reservation was durable before the forward (`docs/operations.md`).
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
+
+/// Called once the commit it belongs to is durable (`None`) or cannot be (`Some(why)`).
+pub type Delivery = Box<dyn FnOnce(Option<&str>) + Send>;
+
+/// Replies waiting for the next `fdatasync`, and whether the store is closing.
+#[derive(Default)]
+struct Queue {
+    waiting: Vec<Delivery>,
+    closing: bool,
+}
+
+/// Once an `fdatasync` has failed, nothing written later is acknowledged: Linux may have
+/// dropped the failed pages, and WAL recovery stops at the first frame missing, so a later
+/// commit that syncs fine could still be lost behind it (PostgreSQL stops for the same reason).
+/// The store answers `503 store_unavailable` until it is restarted.
+const POISONED: &str = "an earlier fsync of the write-ahead log failed: restart the proxy";
+
+/// The handle to the syncer thread.
+pub struct Syncer {
+    shared: Arc<(Mutex<Queue>, Condvar)>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Syncer {
+    /// Opens the WAL of `db` (which must exist: the store's migrations have written it), makes
+    /// its directory entry durable — under `NORMAL` SQLite would do so only at its first
+    /// checkpoint — and starts the thread.
+    pub fn start(db: &Path) -> std::io::Result<Syncer> {
+        let wal = wal_path(db);
+        let file = File::open(&wal)?;
+        file.sync_all()?;
+        if let Some(dir) = wal.parent().filter(|d| !d.as_os_str().is_empty()) {
+            File::open(dir)?.sync_all()?;
+        }
+        let shared = Arc::new((Mutex::new(Queue::default()), Condvar::new()));
+        let theirs = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("idemproxy-fsync".into())
+            .spawn(move || run(file, &theirs))?;
+        Ok(Syncer {
+            shared,
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// Delivers `done` after the next `fdatasync` of the WAL (their batch has committed).
+    pub fn after_sync(&self, done: Vec<Delivery>) {
+        if done.is_empty() {
+            return;
+        }
+        let (lock, ready) = &*self.shared;
+        // Held only to move the replies in: never across I/O.
+        let mut q = lock.lock().unwrap_or_else(|p| p.into_inner());
+        q.waiting.extend(done);
+        ready.notify_one();
+    }
+
+    /// Syncs what is queued, delivers it, and stops the thread.
+    pub fn close(&self) {
+        {
+            let (lock, ready) = &*self.shared;
+            lock.lock().unwrap_or_else(|p| p.into_inner()).closing = true;
+            ready.notify_one();
+        }
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = thread {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Syncer {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn wal_path(db: &Path) -> PathBuf {
+    let mut path = db.as_os_str().to_owned();
+    path.push("-wal");
+    path.into()
+}
+
+fn run(wal: File, shared: &(Mutex<Queue>, Condvar)) {
+    let (lock, ready) = shared;
+    let mut poisoned = false;
+    loop {
+        let (batch, closing) = {
+            let mut q = lock.lock().unwrap_or_else(|p| p.into_inner());
+            while q.waiting.is_empty() && !q.closing {
+                q = ready.wait(q).unwrap_or_else(|p| p.into_inner());
+            }
+            (std::mem::take(&mut q.waiting), q.closing)
+        };
+        if !batch.is_empty() {
+            // Everything queued was committed before this call begins, so it covers them all.
+            let failure = match poisoned {
+                true => Some(POISONED.to_owned()),
+                false => wal.sync_data().err().map(|e| {
+                    tracing::error!(error = %e, "SQLite WAL fsync failed: no write is acknowledged until a restart");
+                    poisoned = true;
+                    format!("fsync of the write-ahead log failed: {e}")
+                }),
+            };
+            for d in batch {
+                d(failure.as_deref());
+            }
+        }
+        if closing {
+            return;
+        }
+    }
+}
