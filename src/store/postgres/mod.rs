@@ -132,6 +132,11 @@ impl PgStore {
         let pool = PgPoolOptions::new()
             .max_connections(32)
             .min_connections(2)
+            // sqlx's default pings every connection as it leaves the pool: a round trip (and a
+            // backend woken) per statement, for a check the statement itself makes — a
+            // connection that died fails its statement, which is `503 store_unavailable`
+            // before anything is forwarded, and sqlx then replaces it.
+            .test_before_acquire(false)
             .acquire_timeout(Duration::from_secs(3))
             .connect_with(opts)
             .await?;
