@@ -20,15 +20,18 @@
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// Called once the commit it belongs to is durable (`None`) or cannot be (`Some(why)`).
 pub type Delivery = Box<dyn FnOnce(Option<&str>) + Send>;
 
-/// Replies waiting for the next `fdatasync`, and whether the store is closing.
+/// Replies waiting for the next `fdatasync`, whether one is under way, and whether the store
+/// is closing.
 #[derive(Default)]
 struct Queue {
     waiting: Vec<Delivery>,
+    syncing: bool,
     closing: bool,
 }
 
@@ -41,6 +44,9 @@ const POISONED: &str = "an earlier fsync of the write-ahead log failed: restart 
 /// The handle to the syncer thread.
 pub struct Syncer {
     shared: Arc<(Mutex<Queue>, Condvar)>,
+    /// The WAL, also synced by the writer itself when the syncer is idle (see `after_sync`).
+    wal: Arc<File>,
+    poisoned: Arc<AtomicBool>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -56,19 +62,42 @@ impl Syncer {
             File::open(dir)?.sync_all()?;
         }
         let shared = Arc::new((Mutex::new(Queue::default()), Condvar::new()));
-        let theirs = shared.clone();
+        let (wal, poisoned) = (Arc::new(file), Arc::new(AtomicBool::new(false)));
+        let theirs = (shared.clone(), wal.clone(), poisoned.clone());
         let thread = std::thread::Builder::new()
             .name("idemproxy-fsync".into())
-            .spawn(move || run(file, &theirs))?;
+            .spawn(move || run(&theirs.1, &theirs.0, &theirs.2))?;
         Ok(Syncer {
             shared,
+            wal,
+            poisoned,
             thread: Mutex::new(Some(thread)),
         })
     }
 
-    /// Delivers `done` after the next `fdatasync` of the WAL (their batch has committed).
-    pub fn after_sync(&self, done: Vec<Delivery>) {
+    /// Whether an `fdatasync` is under way or replies wait for one: the writer then keeps its
+    /// transaction open for whatever else is queued, since nothing it commits now would be
+    /// heard of before the next `fdatasync` anyway — one commit per sync, as large as the
+    /// load makes it (fewer WAL frames and locks per write).
+    pub fn busy(&self) -> bool {
+        let q = self.shared.0.lock().unwrap_or_else(|p| p.into_inner());
+        q.syncing || !q.waiting.is_empty()
+    }
+
+    /// Delivers `done` after the next `fdatasync` of the WAL (their batch has committed). With
+    /// `inline` (nothing else queued for the writer) and the syncer idle, the writer syncs and
+    /// delivers itself: a lone write skips a hand-off between threads. The syncer is the only
+    /// other caller of `fdatasync`, and with nothing queued there is no earlier reply to
+    /// overtake.
+    pub fn after_sync(&self, done: Vec<Delivery>, inline: bool) {
         if done.is_empty() {
+            return;
+        }
+        if inline && !self.busy() {
+            let failure = sync(&self.wal, &self.poisoned);
+            for d in done {
+                d(failure.as_deref());
+            }
             return;
         }
         let (lock, ready) = &*self.shared;
@@ -104,30 +133,36 @@ fn wal_path(db: &Path) -> PathBuf {
     path.into()
 }
 
-fn run(wal: File, shared: &(Mutex<Queue>, Condvar)) {
+/// One `fdatasync` of the WAL: `Some(why)` when what it covers is not durable.
+fn sync(wal: &File, poisoned: &AtomicBool) -> Option<String> {
+    if poisoned.load(Ordering::Acquire) {
+        return Some(POISONED.to_owned());
+    }
+    wal.sync_data().err().map(|e| {
+        tracing::error!(error = %e, "SQLite WAL fsync failed: no write is acknowledged until a restart");
+        poisoned.store(true, Ordering::Release);
+        format!("fsync of the write-ahead log failed: {e}")
+    })
+}
+
+fn run(wal: &File, shared: &(Mutex<Queue>, Condvar), poisoned: &AtomicBool) {
     let (lock, ready) = shared;
-    let mut poisoned = false;
     loop {
         let (batch, closing) = {
             let mut q = lock.lock().unwrap_or_else(|p| p.into_inner());
             while q.waiting.is_empty() && !q.closing {
                 q = ready.wait(q).unwrap_or_else(|p| p.into_inner());
             }
+            q.syncing = !q.waiting.is_empty();
             (std::mem::take(&mut q.waiting), q.closing)
         };
         if !batch.is_empty() {
             // Everything queued was committed before this call begins, so it covers them all.
-            let failure = match poisoned {
-                true => Some(POISONED.to_owned()),
-                false => wal.sync_data().err().map(|e| {
-                    tracing::error!(error = %e, "SQLite WAL fsync failed: no write is acknowledged until a restart");
-                    poisoned = true;
-                    format!("fsync of the write-ahead log failed: {e}")
-                }),
-            };
+            let failure = sync(wal, poisoned);
             for d in batch {
                 d(failure.as_deref());
             }
+            lock.lock().unwrap_or_else(|p| p.into_inner()).syncing = false;
         }
         if closing {
             return;

@@ -148,7 +148,12 @@ fn run(
                 now: crate::store::now_ms(),
                 cipher: cipher.as_deref(),
             };
-            run_batch(&ctx, std::mem::take(&mut jobs), syncer.as_ref());
+            let batch = Batch {
+                rx: &mut rx,
+                closing: &mut closing,
+                syncer: syncer.as_ref(),
+            };
+            run_batch(&ctx, std::mem::take(&mut jobs), batch);
         }
         if closing.is_some() {
             break;
@@ -164,8 +169,32 @@ fn run(
     }
 }
 
+/// What a batch may draw on beyond its first jobs.
+struct Batch<'a> {
+    rx: &'a mut mpsc::Receiver<Msg>,
+    closing: &'a mut Option<oneshot::Sender<()>>,
+    syncer: Option<&'a Syncer>,
+}
+
+impl Batch<'_> {
+    /// The next job queued, while the syncer is busy (see [`Syncer::busy`]) and the batch has
+    /// room: it joins this transaction instead of the next.
+    fn more(&mut self, ran: usize) -> Option<Job> {
+        if ran >= MAX_BATCH || self.closing.is_some() || !self.syncer.is_some_and(|s| s.busy()) {
+            return None;
+        }
+        match self.rx.try_recv().ok()? {
+            Msg::Job(j) => Some(j),
+            Msg::Close(tx) => {
+                *self.closing = Some(tx);
+                None
+            }
+        }
+    }
+}
+
 /// Runs a batch in one transaction; callers hear back only after the commit (and its sync).
-fn run_batch(ctx: &Ctx, jobs: Vec<Job>, syncer: Option<&Syncer>) {
+fn run_batch(ctx: &Ctx, jobs: Vec<Job>, mut batch: Batch) {
     let conn = ctx.conn;
     if !conn.is_autocommit() {
         // A transaction left open by a failed commit is let go before the next one.
@@ -177,9 +206,9 @@ fn run_batch(ctx: &Ctx, jobs: Vec<Job>, syncer: Option<&Syncer>) {
         return;
     }
     let started = std::time::Instant::now();
-    let size = jobs.len();
-    let mut done: Vec<Delivery> = Vec::with_capacity(size);
-    for job in jobs {
+    let mut done: Vec<Delivery> = Vec::with_capacity(jobs.len());
+    let mut jobs = jobs.into_iter();
+    while let Some(job) = jobs.next().or_else(|| batch.more(done.len())) {
         done.push(job(ctx));
         if conn.is_autocommit() {
             // SQLite rolled the whole transaction back (a full disk, an I/O error): what ran
@@ -188,15 +217,17 @@ fn run_batch(ctx: &Ctx, jobs: Vec<Job>, syncer: Option<&Syncer>) {
             break;
         }
     }
+    let size = done.len();
     let ran = started.elapsed();
     let failure = match conn.is_autocommit() {
         true => Some("the write batch was rolled back".to_owned()),
         false => commit(conn),
     };
     tracing::trace!(size, ?ran, total = ?started.elapsed(), "write batch committed");
-    match (syncer, &failure) {
-        // Committed: heard of once durable, while the next batch runs.
-        (Some(s), None) => s.after_sync(done),
+    match (batch.syncer, &failure) {
+        // Committed: heard of once durable. Synced here when nothing else waits for the
+        // writer, else on the syncer's thread while the next batch runs.
+        (Some(s), None) => s.after_sync(done, batch.rx.is_empty()),
         _ => {
             for d in done {
                 d(failure.as_deref());
