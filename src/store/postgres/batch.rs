@@ -17,7 +17,7 @@ const MAX_BATCH: usize = 512;
 /// in flight make each one larger: at 64 concurrent first writes, 4 left ~4 requests per
 /// transaction and 10–10.5k first writes/s; 2 gave ~6 per transaction and 12.3–13k/s; 1,
 /// 11.2–13.3k/s (same VM, same hour). A lone request is still sent at once.
-const IN_FLIGHT: usize = 2;
+pub const IN_FLIGHT: usize = 2;
 
 type Item<I, O> = (I, oneshot::Sender<StoreResult<O>>);
 
@@ -30,13 +30,14 @@ pub struct Batcher<I, O> {
 
 impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
     /// `run` answers a batch in order, one result per request; an error is every request's.
-    pub fn start<F, Fut>(run: F) -> Batcher<I, O>
+    /// `in_flight`: batches of this kind at the database at once (see [`IN_FLIGHT`]).
+    pub fn start<F, Fut>(in_flight: usize, run: F) -> Batcher<I, O>
     where
         F: Fn(Vec<I>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = StoreResult<Vec<O>>> + Send + 'static,
     {
         let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(drain(rx, Arc::new(run)));
+        tokio::spawn(drain(rx, in_flight.max(1), Arc::new(run)));
         Batcher { tx }
     }
 
@@ -49,14 +50,17 @@ impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
     }
 }
 
-async fn drain<I, O, F, Fut>(mut rx: mpsc::UnboundedReceiver<Item<I, O>>, run: Arc<F>)
-where
+async fn drain<I, O, F, Fut>(
+    mut rx: mpsc::UnboundedReceiver<Item<I, O>>,
+    in_flight: usize,
+    run: Arc<F>,
+) where
     I: Send + 'static,
     O: Send + 'static,
     F: Fn(Vec<I>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = StoreResult<Vec<O>>> + Send + 'static,
 {
-    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
+    let slots = Arc::new(Semaphore::new(in_flight));
     let mut queued = Vec::with_capacity(MAX_BATCH);
     loop {
         // Wait for a free slot first: what queues meanwhile joins the next batch.

@@ -158,21 +158,24 @@ impl PgStore {
         };
         let gets = {
             let (pool, clock, cipher) = (pool.clone(), clock.clone(), cipher.clone());
-            batch::Batcher::start(move |ids| {
+            batch::Batcher::start(batch::IN_FLIGHT, move |ids| {
                 let (pool, clock, cipher) = (pool.clone(), clock.clone(), cipher.clone());
                 async move { batched::get_many(&pool, &clock, cipher.as_deref(), ids).await }
             })
         };
         let reserves = {
             let (pool, clock, cipher) = (pool.clone(), clock.clone(), cipher.clone());
-            batch::Batcher::start(move |rs| {
+            batch::Batcher::start(batch::IN_FLIGHT, move |rs| {
                 let (pool, clock, cipher) = (pool.clone(), clock.clone(), cipher.clone());
                 async move { batched::reserve_many(&pool, &clock, cipher.as_deref(), rs).await }
             })
         };
         let finishes = {
             let (pool, clock) = (pool.clone(), clock.clone());
-            batch::Batcher::start(move |fs| {
+            // One batch of outcomes at a time: most callers were answered before their outcome
+            // commits (`store.answer_before_commit`), so larger, fewer statements cost them
+            // nothing (A/B at 64 connections: ~4% more first writes/s than two in flight).
+            batch::Batcher::start(1, move |fs| {
                 let (pool, clock) = (pool.clone(), clock.clone());
                 async move { batched::finish_many(&pool, &clock, fs).await }
             })
