@@ -180,7 +180,10 @@ impl Keys for CachedStore {
         };
         let (fingerprint, answered) = self.reserved_fingerprint(id).unzip();
         let answered = answered.flatten();
-        let stored = self.inner.finish(id, epoch, outcome).await;
+        let stored = match answered {
+            Some(_) => self.inner.finish_answered(id, epoch, outcome).await,
+            None => self.inner.finish(id, epoch, outcome).await,
+        };
         match (&stored, completed, fingerprint) {
             // (An answer remembered before the commit is in already.)
             (Ok(true), Some((response, expires_at)), Some(fp)) if answered.is_none() => {

@@ -197,6 +197,19 @@ pub trait Keys: Send + Sync + 'static {
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved>;
     /// Records the outcome if we still own `epoch`; `false` when fenced off.
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool>;
+    /// [`Keys::finish`] of an outcome whose caller was already answered from the replay cache
+    /// (see [`Keys::remember`]): nobody acts on it being durable, so a store may return once
+    /// it is committed — visible to every reader — and sync it shortly after (SQLite: see
+    /// `sqlite::writer::Heard`). A crash before that sync leaves the key unknown, as a crash
+    /// before the commit would; never forwarded twice.
+    async fn finish_answered(
+        &self,
+        id: &ScopedKey,
+        epoch: i64,
+        outcome: Finish,
+    ) -> StoreResult<bool> {
+        self.finish(id, epoch, outcome).await
+    }
     /// Before [`Keys::finish`] of a key this process reserved: keeps its answer where a retry
     /// finds it at once (the replay cache), so the caller can be answered before the commit.
     /// `false` when it cannot (no cache, or the answer does not fit): answer after the commit.

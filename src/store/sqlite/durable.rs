@@ -32,8 +32,14 @@ pub type Delivery = Box<dyn FnOnce(Option<&str>) + Send>;
 struct Queue {
     waiting: Vec<Delivery>,
     syncing: bool,
+    /// Commits nobody waits on are not yet synced (see [`Syncer::sync_soon`]).
+    dirty: bool,
     closing: bool,
 }
+
+/// How long a commit whose callers heard of it at once (see `writer::Heard::Committed`) may
+/// stay unsynced when no other write's sync covers it.
+pub const LAZY_SYNC: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// Once an `fdatasync` has failed, nothing written later is acknowledged: Linux may have
 /// dropped the failed pages, and WAL recovery stops at the first frame missing, so a later
@@ -94,6 +100,12 @@ impl Syncer {
             return;
         }
         if inline && !self.busy() {
+            // Covers every commit so far, those nobody waits on included.
+            self.shared
+                .0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .dirty = false;
             let failure = sync(&self.wal, &self.poisoned);
             for d in done {
                 d(failure.as_deref());
@@ -105,6 +117,17 @@ impl Syncer {
         let mut q = lock.lock().unwrap_or_else(|p| p.into_inner());
         q.waiting.extend(done);
         ready.notify_one();
+    }
+
+    /// A commit nobody waits on: synced with the next write that is waited on, or within
+    /// [`LAZY_SYNC`] by the syncer.
+    pub fn sync_soon(&self) {
+        let (lock, ready) = &*self.shared;
+        let mut q = lock.lock().unwrap_or_else(|p| p.into_inner());
+        if !q.dirty {
+            q.dirty = true;
+            ready.notify_one();
+        }
     }
 
     /// Syncs what is queued, delivers it, and stops the thread.
@@ -148,15 +171,32 @@ fn sync(wal: &File, poisoned: &AtomicBool) -> Option<String> {
 fn run(wal: &File, shared: &(Mutex<Queue>, Condvar), poisoned: &AtomicBool) {
     let (lock, ready) = shared;
     loop {
-        let (batch, closing) = {
+        let (batch, closing, lazy) = {
             let mut q = lock.lock().unwrap_or_else(|p| p.into_inner());
+            let mut since = None;
             while q.waiting.is_empty() && !q.closing {
-                q = ready.wait(q).unwrap_or_else(|p| p.into_inner());
+                if !q.dirty {
+                    since = None;
+                    q = ready.wait(q).unwrap_or_else(|p| p.into_inner());
+                    continue;
+                }
+                // Unsynced commits nobody waits on: synced once LAZY_SYNC has passed (a
+                // deadline, not a synchronization: nobody is woken by it).
+                let start = *since.get_or_insert_with(std::time::Instant::now);
+                let left = LAZY_SYNC.saturating_sub(start.elapsed());
+                if left.is_zero() {
+                    break;
+                }
+                q = ready
+                    .wait_timeout(q, left)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0;
             }
-            q.syncing = !q.waiting.is_empty();
-            (std::mem::take(&mut q.waiting), q.closing)
+            let lazy = std::mem::take(&mut q.dirty);
+            q.syncing = !q.waiting.is_empty() || lazy;
+            (std::mem::take(&mut q.waiting), q.closing, lazy)
         };
-        if !batch.is_empty() {
+        if !batch.is_empty() || lazy {
             // Everything queued was committed before this call begins, so it covers them all.
             let failure = sync(wal, poisoned);
             for d in batch {

@@ -3,7 +3,7 @@
 //! read pool.
 
 use super::entities::apply_effects;
-use super::writer::Ctx;
+use super::writer::{Ctx, Heard};
 use super::*;
 use rusqlite::{params, OptionalExtension};
 
@@ -153,7 +153,23 @@ impl Keys for SqliteStore {
         // Sealed here, on the request's task, not on the one writer task (which opens only the
         // rare record a reservation finds standing, see `existing`).
         let columns = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
-        self.writer.finish(id.clone(), epoch, columns).await
+        self.writer
+            .finish(id.clone(), epoch, columns, Heard::Synced)
+            .await
+    }
+    async fn finish_answered(
+        &self,
+        id: &ScopedKey,
+        epoch: i64,
+        outcome: Finish,
+    ) -> StoreResult<bool> {
+        let columns = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
+        // Effects (a version, a claim) are never answered first; should one come, it waits.
+        let heard = match columns.effects.is_empty() {
+            true => Heard::Committed,
+            false => Heard::Synced,
+        };
+        self.writer.finish(id.clone(), epoch, columns, heard).await
     }
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
         let id = id.clone();

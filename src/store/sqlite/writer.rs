@@ -44,8 +44,21 @@ fn deliver<T: Send + 'static>(reply: Reply<T>, res: StoreResult<T>) -> Delivery 
 /// One write, run in the batch's transaction; what it returns is delivered after the commit.
 type Job = Box<dyn FnOnce(&Ctx) -> Delivery + Send>;
 
+/// When a write's caller hears back.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Heard {
+    /// Once its commit is on disk: what the caller acts on (a reservation before a forward).
+    Synced,
+    /// Once it is committed (visible to every reader), its `fdatasync` following within
+    /// [`super::durable::LAZY_SYNC`]: for writes nobody acts on being durable — an outcome
+    /// whose caller was already answered (`Keys::finish_answered`), audit rows. Their callers
+    /// let go of the key's slot and entity locks at once, and a lone first write pays one
+    /// `fdatasync` (its reservation's), not two.
+    Committed,
+}
+
 enum Msg {
-    Job(Job),
+    Job(Job, Heard),
     /// Stop after this batch (sent by `close`, once requests are done).
     Close(oneshot::Sender<()>),
 }
@@ -82,10 +95,19 @@ impl Writer {
         T: Send + 'static,
         F: FnOnce(&Ctx) -> StoreResult<T> + Send + 'static,
     {
+        self.write_heard(Heard::Synced, f).await
+    }
+
+    /// Runs `f` in the next batch and returns its result once `heard` says.
+    pub async fn write_heard<T, F>(&self, heard: Heard, f: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Ctx) -> StoreResult<T> + Send + 'static,
+    {
         let (reply, rx) = oneshot::channel();
         let job: Job = Box::new(move |ctx| deliver(reply, f(ctx)));
         self.tx
-            .send(Msg::Job(job))
+            .send(Msg::Job(job, heard))
             .await
             .map_err(|_| StoreError::Closed)?;
         // A dropped reply means its batch failed before the job ran (logged by the writer).
@@ -97,14 +119,22 @@ impl Writer {
         self.write(move |ctx| super::keys::reserve(ctx, &r)).await
     }
 
-    pub async fn finish(&self, id: ScopedKey, epoch: i64, f: FinishColumns) -> StoreResult<bool> {
-        self.write(move |ctx| super::keys::finish(ctx, &id, epoch, &f))
+    pub async fn finish(
+        &self,
+        id: ScopedKey,
+        epoch: i64,
+        f: FinishColumns,
+        heard: Heard,
+    ) -> StoreResult<bool> {
+        self.write_heard(heard, move |ctx| super::keys::finish(ctx, &id, epoch, &f))
             .await
     }
 
     pub async fn audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
-        self.write(move |ctx| super::audit::append_audit(ctx.conn, &rows))
-            .await
+        self.write_heard(Heard::Committed, move |ctx| {
+            super::audit::append_audit(ctx.conn, &rows)
+        })
+        .await
     }
 
     /// Flushes queued writes (committed and synced), then stops the thread.
@@ -126,13 +156,13 @@ fn run(
     cipher: SharedCipher,
     syncer: Option<Syncer>,
 ) {
-    let mut jobs: Vec<Job> = Vec::with_capacity(MAX_BATCH);
+    let mut jobs: Vec<(Job, Heard)> = Vec::with_capacity(MAX_BATCH);
     let mut closing = None;
     while let Some(first) = rx.blocking_recv() {
         let mut next = Some(first);
         while let Some(msg) = next.take() {
             match msg {
-                Msg::Job(j) => jobs.push(j),
+                Msg::Job(j, heard) => jobs.push((j, heard)),
                 Msg::Close(tx) => {
                     closing = Some(tx);
                     break;
@@ -179,12 +209,12 @@ struct Batch<'a> {
 impl Batch<'_> {
     /// The next job queued, while the syncer is busy (see [`Syncer::busy`]) and the batch has
     /// room: it joins this transaction instead of the next.
-    fn more(&mut self, ran: usize) -> Option<Job> {
+    fn more(&mut self, ran: usize) -> Option<(Job, Heard)> {
         if ran >= MAX_BATCH || self.closing.is_some() || !self.syncer.is_some_and(|s| s.busy()) {
             return None;
         }
         match self.rx.try_recv().ok()? {
-            Msg::Job(j) => Some(j),
+            Msg::Job(j, heard) => Some((j, heard)),
             Msg::Close(tx) => {
                 *self.closing = Some(tx);
                 None
@@ -194,7 +224,7 @@ impl Batch<'_> {
 }
 
 /// Runs a batch in one transaction; callers hear back only after the commit (and its sync).
-fn run_batch(ctx: &Ctx, jobs: Vec<Job>, mut batch: Batch) {
+fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) {
     let conn = ctx.conn;
     if !conn.is_autocommit() {
         // A transaction left open by a failed commit is let go before the next one.
@@ -207,9 +237,16 @@ fn run_batch(ctx: &Ctx, jobs: Vec<Job>, mut batch: Batch) {
     }
     let started = std::time::Instant::now();
     let mut done: Vec<Delivery> = Vec::with_capacity(jobs.len());
+    let mut committed: Vec<Delivery> = Vec::new();
     let mut jobs = jobs.into_iter();
-    while let Some(job) = jobs.next().or_else(|| batch.more(done.len())) {
-        done.push(job(ctx));
+    while let Some((job, heard)) = jobs
+        .next()
+        .or_else(|| batch.more(done.len() + committed.len()))
+    {
+        match heard {
+            Heard::Synced => done.push(job(ctx)),
+            Heard::Committed => committed.push(job(ctx)),
+        }
         if conn.is_autocommit() {
             // SQLite rolled the whole transaction back (a full disk, an I/O error): what ran
             // is gone and nothing more may run outside it. The jobs left are dropped unrun.
@@ -217,7 +254,7 @@ fn run_batch(ctx: &Ctx, jobs: Vec<Job>, mut batch: Batch) {
             break;
         }
     }
-    let size = done.len();
+    let size = done.len() + committed.len();
     let ran = started.elapsed();
     let failure = match conn.is_autocommit() {
         true => Some("the write batch was rolled back".to_owned()),
@@ -226,10 +263,21 @@ fn run_batch(ctx: &Ctx, jobs: Vec<Job>, mut batch: Batch) {
     tracing::trace!(size, ?ran, total = ?started.elapsed(), "write batch committed");
     match (batch.syncer, &failure) {
         // Committed: heard of once durable. Synced here when nothing else waits for the
-        // writer, else on the syncer's thread while the next batch runs.
-        (Some(s), None) => s.after_sync(done, batch.rx.is_empty()),
+        // writer, else on the syncer's thread while the next batch runs; what is heard of at
+        // its commit is synced with them, or within `LAZY_SYNC` when nothing else is.
+        (Some(s), None) => {
+            let lazy = !committed.is_empty();
+            for d in committed {
+                d(None);
+            }
+            match done.is_empty() {
+                true if lazy => s.sync_soon(),
+                true => {}
+                false => s.after_sync(done, batch.rx.is_empty()),
+            }
+        }
         _ => {
-            for d in done {
+            for d in done.into_iter().chain(committed) {
                 d(failure.as_deref());
             }
         }
