@@ -8,15 +8,17 @@
 //! only then delivers every reply queued before that call began. The writer meanwhile runs the
 //! next batch, so one `fsync` covers as many batches as the disk's latency lets through.
 //!
-//! What a caller is told is exactly as durable as under `FULL`: a reply is delivered only after
-//! an `fdatasync` of the WAL that began after its commit's frames were written, and WAL
+//! What a caller waits on is exactly as durable as under `FULL`: such a reply is delivered only
+//! after an `fdatasync` of the WAL that began after its commit's frames were written, and WAL
 //! recovery replays every commit whose frames reached the disk. `NORMAL` keeps the database
 //! itself safe from corruption on power loss (SQLite syncs the WAL before each checkpoint and
 //! the database after it). What changes is what *other readers* may see: a commit is visible
 //! to the read pool up to one `fdatasync` before it is durable, so a power loss (not a process
 //! crash: the OS still holds those writes) can lose a completion that a concurrent retry was
 //! already replayed. That retry's key is then `unknown` after the restart, never forwarded
-//! twice: the reservation was durable before the forward (`docs/operations.md`).
+//! twice: the reservation was durable before the forward (`docs/operations.md`). Writes whose
+//! callers do not wait on their durability (`writer::Heard::Committed`: outcomes already
+//! answered, audit rows) are heard of at their commit and synced within [`LAZY_SYNC`].
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
