@@ -24,7 +24,8 @@
 //!   keys a store's scopes (`scope_secret`, or one derived from an encryption key).
 //! - [`locks`]: in-process one-holder/many-waiters locks for keys and entities.
 //! - [`store`]: the durable store: four small interfaces by concern (keys, entity locks,
-//!   entity states, audit), SQLite (one process, group commit) and PostgreSQL (replicas,
+//!   entity states, audit), SQLite (one process; a writer thread with group commit, its
+//!   fsync pipelined on a thread of its own: `store::sqlite::durable`) and PostgreSQL (replicas,
 //!   leases, NOTIFY) backends, the replay cache as a layer in front of either (which also
 //!   holds answers given before their commit, `store::settling`), and stored answers sealed
 //!   at rest (`store::seal`, AES-256-GCM) when an encryption key is set.

@@ -69,6 +69,11 @@ impl Syncer {
         if let Some(dir) = wal.parent().filter(|d| !d.as_os_str().is_empty()) {
             File::open(dir)?.sync_all()?;
         }
+        Syncer::on(file)
+    }
+
+    /// The syncer of an open WAL file.
+    fn on(file: File) -> std::io::Result<Syncer> {
         let shared = Arc::new((Mutex::new(Queue::default()), Condvar::new()));
         let (wal, poisoned) = (Arc::new(file), Arc::new(AtomicBool::new(false)));
         let theirs = (shared.clone(), wal.clone(), poisoned.clone());
@@ -209,5 +214,53 @@ fn run(wal: &File, shared: &(Mutex<Queue>, Condvar), poisoned: &AtomicBool) {
         if closing {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+
+    fn reply(tx: &mpsc::Sender<Option<String>>) -> Delivery {
+        let tx = tx.clone();
+        Box::new(move |failure| {
+            let _ = tx.send(failure.map(str::to_owned));
+        })
+    }
+
+    #[test]
+    fn replies_come_after_a_sync_on_either_thread() {
+        let dir = tempfile::tempdir().unwrap();
+        let syncer = Syncer::on(File::create(dir.path().join("wal")).unwrap()).unwrap();
+        let (tx, rx) = mpsc::channel();
+        syncer.after_sync(vec![reply(&tx), reply(&tx)], false);
+        syncer.after_sync(vec![reply(&tx)], true);
+        syncer.sync_soon();
+        syncer.close();
+        let heard: Vec<_> = rx.try_iter().collect();
+        assert_eq!(heard, vec![None, None, None]);
+    }
+
+    #[test]
+    fn after_a_failed_sync_nothing_is_acknowledged() {
+        // fdatasync of a character device fails (EINVAL): a sync that fails.
+        let syncer = Syncer::on(File::open("/dev/null").unwrap()).unwrap();
+        let (tx, rx) = mpsc::channel();
+        syncer.after_sync(vec![reply(&tx)], true);
+        let first = rx.recv().unwrap();
+        assert!(
+            first.as_deref().unwrap_or("").contains("fsync"),
+            "{first:?}"
+        );
+        // Every later write fails too, on the writer and on the syncer alike.
+        syncer.after_sync(vec![reply(&tx)], true);
+        syncer.after_sync(vec![reply(&tx)], false);
+        syncer.close();
+        let later: Vec<_> = rx.try_iter().collect();
+        assert_eq!(
+            later,
+            vec![Some(POISONED.to_owned()), Some(POISONED.to_owned())]
+        );
     }
 }
