@@ -133,10 +133,20 @@ impl PgStore {
             .max_connections(32)
             .min_connections(2)
             // sqlx's default pings every connection as it leaves the pool: a round trip (and a
-            // backend woken) per statement, for a check the statement itself makes — a
-            // connection that died fails its statement, which is `503 store_unavailable`
-            // before anything is forwarded, and sqlx then replaces it.
+            // backend woken) per statement. Only a connection idle for a while is pinged (a
+            // dead one is closed and another taken): a database restart or a firewall's idle
+            // timeout kills idle connections, and a statement that met one would fail —
+            // for an outcome, after the upstream answered, leaving its key unknown. Under
+            // load connections are never idle that long, so they are never pinged.
             .test_before_acquire(false)
+            .before_acquire(|conn, meta| {
+                Box::pin(async move {
+                    if meta.idle_for > Duration::from_secs(1) {
+                        sqlx::Connection::ping(conn).await?;
+                    }
+                    Ok(true)
+                })
+            })
             .acquire_timeout(Duration::from_secs(3))
             .connect_with(opts)
             .await?;

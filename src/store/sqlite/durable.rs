@@ -126,6 +126,12 @@ impl Syncer {
         ready.notify_one();
     }
 
+    /// Why no write may be acknowledged any more (an earlier `fdatasync` failed), if so: what
+    /// the writer tells the callers of writes heard of at their commit, too.
+    pub fn failed(&self) -> Option<&'static str> {
+        self.poisoned.load(Ordering::Acquire).then_some(POISONED)
+    }
+
     /// A commit nobody waits on: synced with the next write that is waited on, or within
     /// [`LAZY_SYNC`] by the syncer.
     pub fn sync_soon(&self) {
@@ -247,12 +253,15 @@ mod tests {
         // fdatasync of a character device fails (EINVAL): a sync that fails.
         let syncer = Syncer::on(File::open("/dev/null").unwrap()).unwrap();
         let (tx, rx) = mpsc::channel();
+        assert_eq!(syncer.failed(), None);
         syncer.after_sync(vec![reply(&tx)], true);
         let first = rx.recv().unwrap();
         assert!(
             first.as_deref().unwrap_or("").contains("fsync"),
             "{first:?}"
         );
+        // What the writer tells writes heard of at their commit, from now on.
+        assert_eq!(syncer.failed(), Some(POISONED));
         // Every later write fails too, on the writer and on the syncer alike.
         syncer.after_sync(vec![reply(&tx)], true);
         syncer.after_sync(vec![reply(&tx)], false);

@@ -260,6 +260,8 @@ fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) {
         true => Some("the write batch was rolled back".to_owned()),
         false => commit(conn),
     };
+    // After a failed fsync nothing is acknowledged, not even what is heard of at its commit.
+    let failure = failure.or_else(|| batch.syncer.and_then(Syncer::failed).map(str::to_owned));
     tracing::trace!(size, ?ran, total = ?started.elapsed(), "write batch committed");
     match (batch.syncer, &failure) {
         // Committed: heard of once durable. Synced here when nothing else waits for the
