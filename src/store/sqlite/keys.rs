@@ -62,9 +62,13 @@ static RESERVE_TAKING_UNKNOWN: std::sync::LazyLock<String> =
 
 /// One record, read on the writer's connection (inside its transaction).
 fn record(ctx: &Ctx, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
-    let mut stmt = ctx.conn.prepare_cached(&format!(
-        "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ?1 AND scope = ?2 AND key = ?3"
-    ))?;
+    // Every replay the cache misses comes this way (the reservation is its look-up).
+    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!(
+            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ?1 AND scope = ?2 AND key = ?3"
+        )
+    });
+    let mut stmt = ctx.conn.prepare_cached(&SQL)?;
     let mut rows = stmt.query(params![id.upstream, id.scope, id.key])?;
     match rows.next()? {
         Some(row) => Ok(Some(rows::key_record(&Lite(row), ctx.cipher)?)),
