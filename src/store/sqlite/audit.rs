@@ -3,30 +3,74 @@
 use super::*;
 use rusqlite::{params, Connection};
 
-/// The batch's audit rows, one prepared insert each, inside the writer's transaction.
+/// The batch's audit rows, inside the writer's transaction: as few statements as the row
+/// count's binary digits (a multi-row insert of 32, 16, … rows), each prepared once. Every
+/// statement on `idem_audit` (AUTOINCREMENT) also reads and writes its `sqlite_sequence` row,
+/// and one row per statement cost the writer about as much as a reservation.
 pub fn append_audit(conn: &Connection, rows: &[AuditRow]) -> StoreResult<()> {
-    let mut stmt = conn.prepare_cached(
-        "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-         total_ms, lock_wait_ms, upstream_ms, expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12)",
-    )?;
-    for r in rows {
-        stmt.execute(params![
-            r.at,
-            r.upstream,
-            r.route,
-            encode_entities(&r.entities),
-            r.key,
-            r.fingerprint,
-            r.decision,
-            r.upstream_status.map(i64::from),
-            r.total_ms,
-            r.lock_wait_ms,
-            r.upstream_ms,
-            r.expires_at,
-        ])?;
+    let mut rest = rows;
+    while !rest.is_empty() {
+        let n = AUDIT_CHUNKS
+            .iter()
+            .copied()
+            .find(|&n| n <= rest.len())
+            .unwrap_or(1);
+        let (chunk, after) = rest.split_at(n);
+        let which = AUDIT_CHUNKS.iter().position(|&c| c == n).unwrap_or(0);
+        let mut stmt = conn.prepare_cached(&AUDIT_INSERTS[which])?;
+        let entities: Vec<String> = chunk.iter().map(|r| encode_entities(&r.entities)).collect();
+        let statuses: Vec<Option<i64>> = chunk
+            .iter()
+            .map(|r| r.upstream_status.map(i64::from))
+            .collect();
+        let mut values: Vec<&dyn rusqlite::ToSql> = Vec::with_capacity(n * AUDIT_FIELDS);
+        for ((r, entities), status) in chunk.iter().zip(&entities).zip(&statuses) {
+            values.extend([
+                &r.at as &dyn rusqlite::ToSql,
+                &r.upstream,
+                &r.route,
+                entities,
+                &r.key,
+                &r.fingerprint,
+                &r.decision,
+                status,
+                &r.total_ms,
+                &r.lock_wait_ms,
+                &r.upstream_ms,
+                &r.expires_at,
+            ]);
+        }
+        stmt.execute(values.as_slice())?;
+        rest = after;
     }
     Ok(())
 }
+
+/// Rows per multi-row insert, largest first (the last must be 1).
+const AUDIT_CHUNKS: [usize; 6] = [32, 16, 8, 4, 2, 1];
+const AUDIT_FIELDS: usize = 12;
+
+/// One insert text per entry of [`AUDIT_CHUNKS`].
+static AUDIT_INSERTS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(|| {
+    AUDIT_CHUNKS
+        .iter()
+        .map(|&n| {
+            let rows: Vec<String> = (0..n)
+                .map(|i| {
+                    let cols: Vec<String> = (1..=AUDIT_FIELDS)
+                        .map(|c| format!("?{}", i * AUDIT_FIELDS + c))
+                        .collect();
+                    format!("({})", cols.join(", "))
+                })
+                .collect();
+            format!(
+                "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, \
+                 upstream_status, total_ms, lock_wait_ms, upstream_ms, expires_at) VALUES {}",
+                rows.join(", ")
+            )
+        })
+        .collect()
+});
 
 /// One small batch of each kind of expired row.
 pub fn purge(conn: &Connection, now: i64, batch: i64, released_before: i64) -> StoreResult<u64> {
