@@ -8,23 +8,40 @@ use super::*;
 use rusqlite::{params, OptionalExtension};
 
 /// Makes the key ours, or returns the record that stands (read in the same transaction).
+///
+/// A new key (every first write) is one plain insert: `RETURNING` costs SQLite a temporary
+/// table per statement, about a third of a reservation's work on the writer. A key that stands
+/// is read, as a retry the replay cache missed needs it read anyway; only one that looks
+/// reservable (released, past retention) takes the upsert, which decides again — as on
+/// PostgreSQL. Takeovers of unknown outcomes go to the upsert at once.
 pub fn reserve(ctx: &Ctx, r: &Reservation) -> StoreResult<Reserved> {
-    // A new key (every first write) is one plain insert: `RETURNING` costs SQLite a temporary
-    // table per statement, about a third of a reservation's work on the writer. Only a key
-    // that stands takes the upsert below (which may take it over and bump its epoch).
-    let inserted = ctx.conn.prepare_cached(&RESERVE_NEW)?.execute(params![
+    let write = |sql: &str| -> rusqlite::Result<rusqlite::CachedStatement<'_>> {
+        ctx.conn.prepare_cached(sql)
+    };
+    let entities = encode_entities(&r.entities);
+    let lease_until = ctx.now.saturating_add(r.lease.as_millis() as i64);
+    let args = params![
         r.id.upstream,
         r.id.scope,
         r.id.key,
         r.fingerprint,
         r.route,
-        encode_entities(&r.entities),
+        entities,
         r.owner,
-        ctx.now.saturating_add(r.lease.as_millis() as i64),
+        lease_until,
         ctx.now,
-    ])?;
-    if inserted == 1 {
-        return Ok(Reserved::Owned { epoch: NEW_EPOCH });
+    ];
+    if !r.take_unknown {
+        if write(&RESERVE_NEW)?.execute(args)? == 1 {
+            return Ok(Reserved::Owned { epoch: NEW_EPOCH });
+        }
+        match record(ctx, &r.id)? {
+            Some(found) if found.effective_state(ctx.now) != KeyState::Released => {
+                return Ok(Reserved::Existing(Box::new(found)));
+            }
+            // Reservable, or purged since: the upsert decides.
+            _ => {}
+        }
     }
     // Taking over unknown outcomes is a per-request choice: one statement text per choice,
     // each prepared once.
@@ -32,24 +49,7 @@ pub fn reserve(ctx: &Ctx, r: &Reservation) -> StoreResult<Reserved> {
         true => &*RESERVE_TAKING_UNKNOWN,
         false => &*RESERVE,
     };
-    let epoch: Option<i64> = ctx
-        .conn
-        .prepare_cached(sql)?
-        .query_row(
-            params![
-                r.id.upstream,
-                r.id.scope,
-                r.id.key,
-                r.fingerprint,
-                r.route,
-                encode_entities(&r.entities),
-                r.owner,
-                ctx.now.saturating_add(r.lease.as_millis() as i64),
-                ctx.now,
-            ],
-            |row| row.get(0),
-        )
-        .optional()?;
+    let epoch: Option<i64> = write(sql)?.query_row(args, |row| row.get(0)).optional()?;
     if let Some(epoch) = epoch {
         return Ok(Reserved::Owned { epoch });
     }
