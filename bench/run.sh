@@ -8,6 +8,9 @@
 #                   at CONN connections and at 1 connection (p50 beside the upstream's own),
 #   - first write with an entity per customer (adds the entity lock), SQLite.
 # Usage: bench/run.sh [seconds] [connections]. Needs wrk and nginx (apt-get install wrk nginx).
+# RUNS=N repeats the whole set N times (the same proxies, their stores growing) and prints each
+# row's median: every ratio is still taken within one run, beside that run's nginx. This VM's
+# speed drifts by 10-20% within minutes, so one run is one sample.
 # STORE_EXTRA adds lines to both proxies' [store] table, e.g.
 #   STORE_EXTRA="encryption_key = \"$(openssl rand -base64 32)\"" bench/run.sh
 # to measure with stored answers encrypted.
@@ -15,6 +18,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 DUR=${1:-8}
 CONN=${2:-64}
+RUNS=${RUNS:-1}
 THREADS=2
 PG_BIN=${PG_BIN:-/usr/lib/postgresql/15/bin}
 WORK=$(mktemp -d /tmp/idemproxy-bench.XXXXXX)
@@ -72,8 +76,8 @@ run() { # id label url script
   p99=$(echo "$out" | awk '$1=="99%" {print $2}')
   errors=$(echo "$out" | awk '/Non-2xx/ {print $5}')
   printf '%-34s %12s req/s   p50 %8s   p99 %8s   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${errors:-0}"
-  echo "$rps" > "$WORK/$id.rps"
-  echo "$p50" > "$WORK/$id.p50"
+  echo "$rps" > "$WORK/$id.$RUN.rps"
+  echo "$p50" > "$WORK/$id.$RUN.p50"
 }
 one() { # id label url: one connection, the p50 is what counts
   local saved=$CONN saved_t=$THREADS
@@ -84,27 +88,30 @@ one() { # id label url: one connection, the p50 is what counts
 
 sed 's#/api/v1/charges#/api/v2/charges#' bench/first_write.lua > "$WORK/first_write_entity.lua"
 echo "wrk: $THREADS threads, $CONN connections, ${DUR}s each; $(nproc) cores; nginx: 1 worker; idemproxy: ${PROXY_WORKERS:-$(nproc)} tokio workers (PROXY_WORKERS)"
-run nginx "nginx proxy (POST)" "http://127.0.0.1:$NGX/api/v1/charges" bench/replay.lua
 curl -fs -X POST -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-replay-1' \
   -d '{"amount":100,"currency":"usd","customer":"cus_1"}' "http://127.0.0.1:$PROXY/api/v1/charges" >/dev/null
-run replay "idemproxy replay" "http://127.0.0.1:$PROXY/api/v1/charges" bench/replay.lua
-run first "idemproxy first write" "http://127.0.0.1:$PROXY/api/v1/charges" bench/first_write.lua
-run entity "idemproxy first write + entity" "http://127.0.0.1:$PROXY/api/v2/charges" "$WORK/first_write_entity.lua"
-one direct1 "upstream direct, 1 conn" "http://127.0.0.1:$UP/api/v1/charges" bench/first_write.lua
-one first1 "idemproxy first write, 1 conn" "http://127.0.0.1:$PROXY/api/v1/charges" bench/first_write.lua
-if [ "$HAVE_PG" = 1 ]; then
-  run pgfirst "idemproxy first write (PostgreSQL)" "http://127.0.0.1:$PGPROXY/api/v1/charges" bench/first_write.lua
-  one pgfirst1 "  ... 1 conn (PostgreSQL)" "http://127.0.0.1:$PGPROXY/api/v1/charges" bench/first_write.lua
-fi
+for RUN in $(seq "$RUNS"); do
+  [ "$RUNS" = 1 ] || echo "-- run $RUN of $RUNS"
+  run nginx "nginx proxy (POST)" "http://127.0.0.1:$NGX/api/v1/charges" bench/replay.lua
+  run replay "idemproxy replay" "http://127.0.0.1:$PROXY/api/v1/charges" bench/replay.lua
+  run first "idemproxy first write" "http://127.0.0.1:$PROXY/api/v1/charges" bench/first_write.lua
+  run entity "idemproxy first write + entity" "http://127.0.0.1:$PROXY/api/v2/charges" "$WORK/first_write_entity.lua"
+  one direct1 "upstream direct, 1 conn" "http://127.0.0.1:$UP/api/v1/charges" bench/first_write.lua
+  one first1 "idemproxy first write, 1 conn" "http://127.0.0.1:$PROXY/api/v1/charges" bench/first_write.lua
+  if [ "$HAVE_PG" = 1 ]; then
+    run pgfirst "idemproxy first write (PostgreSQL)" "http://127.0.0.1:$PGPROXY/api/v1/charges" bench/first_write.lua
+    one pgfirst1 "  ... 1 conn (PostgreSQL)" "http://127.0.0.1:$PGPROXY/api/v1/charges" bench/first_write.lua
+  fi
+done
 
-python3 - "$WORK" "$CONN" <<'PY'
-import sys, pathlib
-w, conn = pathlib.Path(sys.argv[1]), sys.argv[2]
-def r(n):
-    p = w / n
+python3 - "$WORK" "$CONN" "$RUNS" <<'PY'
+import sys, pathlib, statistics
+w, conn, runs = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+def r(n, i):
+    p = w / f"{n}.{i}.rps"
     return float(p.read_text()) if p.exists() else None
-def ms(n):
-    p = w / n
+def ms(n, i):
+    p = w / f"{n}.{i}.p50"
     if not p.exists():
         return None
     t = p.read_text().strip()
@@ -112,20 +119,30 @@ def ms(n):
         if t.endswith(unit):
             return float(t[: -len(unit)]) * f
     return None
-base = r("nginx.rps")
-rows = [
-    (f"replay, {conn} connections", f"{base:,.0f} req/s", r("replay.rps"), ">= 1.5x nginx"),
-    (f"first write, {conn} connections, SQLite", f"{base:,.0f} req/s", r("first.rps"), ">= 0.5x nginx"),
-    (f"first write, {conn} connections, PostgreSQL", f"{base:,.0f} req/s", r("pgfirst.rps"), ">= 0.3x nginx"),
-]
-print(f"\n| workload | nginx proxy_pass | idemproxy | goal |\n|---|---|---|---|")
-for name, b, v, goal in rows:
-    cell = "not run" if v is None else f"{v:,.0f} ({v / base:.2f}x nginx)"
-    print(f"| {name} | {b} | {cell} | {goal} |")
-d = ms("direct1.p50")
-for name, key, goal in (("SQLite", "first1.p50", f"<= direct + 0.3 ms"), ("PostgreSQL", "pgfirst1.p50", "<= 0.8 ms")):
-    v = ms(key)
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+each = range(1, runs + 1)
+bases = [r("nginx", i) for i in each]
+label = "" if runs == 1 else f" (median of {runs} runs)"
+print(f"\n| workload{label} | nginx proxy_pass | idemproxy | goal |\n|---|---|---|---|")
+for name, key, goal in ((f"replay, {conn} connections", "replay", ">= 1.5x nginx"),
+                        (f"first write, {conn} connections, SQLite", "first", ">= 0.5x nginx"),
+                        (f"first write, {conn} connections, PostgreSQL", "pgfirst", ">= 0.3x nginx")):
+    vals = [r(key, i) for i in each]
+    ratios = [v / b if v is not None else None for v, b in zip(vals, bases)]
+    m = med(ratios)
+    cell = "not run" if m is None else f"{med(vals):,.0f} ({m:.2f}x nginx)"
+    if runs > 1 and m is not None:
+        cell += " — runs " + ", ".join(f"{x:.2f}x" for x in ratios)
+    print(f"| {name} | {med(bases):,.0f} req/s | {cell} | {goal} |")
+d = med([ms("direct1", i) for i in each])
+for name, key, goal in (("SQLite", "first1", "<= direct + 0.3 ms"), ("PostgreSQL", "pgfirst1", "<= 0.8 ms")):
+    vs = [ms(key, i) for i in each]
+    v = med(vs)
     cell = "not run" if v is None else f"{v:.2f} ms"
+    if runs > 1 and v is not None:
+        cell += " — runs " + ", ".join(f"{x:.2f}" for x in vs if x is not None)
     print(f"| first write, 1 connection, {name}, p50 | direct {d:.3f} ms | {cell} | {goal} |")
 PY
 curl -fs "http://127.0.0.1:$ADMIN/metrics" | grep -E '^idemproxy_(forwards|replays|store_errors|audit_dropped)_total' || true

@@ -15,7 +15,7 @@ use rusqlite::{params, OptionalExtension};
 /// reservable (released, past retention) takes the upsert, which decides again — as on
 /// PostgreSQL. Takeovers of unknown outcomes go to the upsert at once.
 pub fn reserve(ctx: &Ctx, r: &Reservation) -> StoreResult<Reserved> {
-    let write = |sql: &str| -> rusqlite::Result<rusqlite::CachedStatement<'_>> {
+    let stmt = |sql: &str| -> rusqlite::Result<rusqlite::CachedStatement<'_>> {
         ctx.conn.prepare_cached(sql)
     };
     let entities = encode_entities(&r.entities);
@@ -32,7 +32,7 @@ pub fn reserve(ctx: &Ctx, r: &Reservation) -> StoreResult<Reserved> {
         ctx.now,
     ];
     if !r.take_unknown {
-        if write(&RESERVE_NEW)?.execute(args)? == 1 {
+        if stmt(&RESERVE_NEW)?.execute(args)? == 1 {
             return Ok(Reserved::Owned { epoch: NEW_EPOCH });
         }
         match record(ctx, &r.id)? {
@@ -49,7 +49,7 @@ pub fn reserve(ctx: &Ctx, r: &Reservation) -> StoreResult<Reserved> {
         true => &*RESERVE_TAKING_UNKNOWN,
         false => &*RESERVE,
     };
-    let epoch: Option<i64> = write(sql)?.query_row(args, |row| row.get(0)).optional()?;
+    let epoch: Option<i64> = stmt(sql)?.query_row(args, |row| row.get(0)).optional()?;
     if let Some(epoch) = epoch {
         return Ok(Reserved::Owned { epoch });
     }
