@@ -86,7 +86,9 @@ pub fn fingerprint(intent: &Intent<'_>, rule: &FingerprintRule) -> String {
             field(name.as_str().as_bytes(), v.as_bytes());
         }
     }
-    hex::encode(h.finalize())
+    let mut out = String::new();
+    super::push_hex(&mut out, &h.finalize());
+    out
 }
 
 /// The part of a form name that orders it: up to its first `[]`, or the whole name.

@@ -76,7 +76,10 @@ impl ScopeKeyer {
                 ctx.update(v.as_bytes());
             }
         }
-        format!("{SCOPE_PREFIX}{}", hex::encode(ctx.sign().as_ref()))
+        let mut scope = String::with_capacity(SCOPE_PREFIX.len() + 64);
+        scope.push_str(SCOPE_PREFIX);
+        super::push_hex(&mut scope, ctx.sign().as_ref());
+        scope
     }
 
     /// A short, stable name for this secret (not the secret), so the store can tell that it

@@ -127,7 +127,7 @@ async fn get(ctx: &Ctx, id: &ScopedKey) -> ProxyResult<Option<KeyRecord>> {
 /// The key's local slot: `true` when it was free at once.
 async fn take_slot(ctx: &mut Ctx) -> ProxyResult<bool> {
     let id = &ctx.p.id;
-    let name = format!("{}\n{}\n{}", id.upstream, id.scope, id.key);
+    let name = id.joined("");
     let locks = &ctx.state.key_locks;
     let (slot, immediate) = match locks.lock(&name, None).await {
         Ok(slot) => (slot, true),

@@ -48,6 +48,25 @@ pub struct ScopedKey {
     pub key: String,
 }
 
+impl ScopedKey {
+    /// `prefix`, then upstream, scope and key on lines of their own: the key as one name (a
+    /// lock's, a notification topic's). Built by hand, not with `format!`: every request
+    /// names its key once or twice.
+    pub fn joined(&self, prefix: &str) -> String {
+        let parts = [self.upstream.as_str(), &self.scope, &self.key];
+        let mut out =
+            String::with_capacity(prefix.len() + parts.iter().map(|p| p.len() + 1).sum::<usize>());
+        out.push_str(prefix);
+        for (i, part) in parts.iter().enumerate() {
+            if i > 0 {
+                out.push('\n');
+            }
+            out.push_str(part);
+        }
+        out
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KeyState {
     InFlight,

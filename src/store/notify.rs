@@ -76,7 +76,7 @@ pub const RELEASED_PREFIX: &str = "r:";
 
 /// The topic of a key.
 pub fn key_topic(id: &super::ScopedKey) -> String {
-    format!("k:{}\n{}\n{}", id.upstream, id.scope, id.key)
+    id.joined("k:")
 }
 
 /// The topic of an entity.
@@ -100,5 +100,18 @@ mod tests {
         assert!(!rx2.has_changed().unwrap());
         hub.publish_all();
         assert!(rx2.has_changed().unwrap());
+    }
+
+    /// What PostgreSQL sends for a key (`'k:' || upstream || chr(10) || scope || chr(10) ||
+    /// key`, see the outcome statement) is the topic its waiters subscribe to.
+    #[test]
+    fn a_key_topic_is_what_the_notification_carries() {
+        let id = crate::store::ScopedKey {
+            upstream: "api".into(),
+            scope: "k1:00ff".into(),
+            key: "order-1".into(),
+        };
+        assert_eq!(key_topic(&id), "k:api\nk1:00ff\norder-1");
+        assert_eq!(id.joined(""), "api\nk1:00ff\norder-1");
     }
 }
