@@ -137,7 +137,8 @@ async fn reserve_forward_store(mut ctx: Ctx, reply: Reply) {
         }
     }
     if let Some(wait) = ctx.reconcile_first {
-        if let Some(outcome) = reconcile::before_retry(&mut ctx, wait).await {
+        // Boxed, as in `store`: a rare path that needs an upstream call's room.
+        if let Some(outcome) = Box::pin(reconcile::before_retry(&mut ctx, wait)).await {
             let _ = reply.send(Detached::Finished(ctx.finish(outcome)));
             return;
         }

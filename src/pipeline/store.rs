@@ -45,8 +45,11 @@ pub(super) async fn stored(ctx: &mut Ctx, called: Called) -> Outcome {
 async fn decide(ctx: &mut Ctx, called: Called) -> (Outcome, Finish) {
     match outcome_of(ctx, called) {
         // The write may have happened: ask the real system, still holding the locks.
+        // Boxed: the reconcile's read is a whole upstream call, and every first write would
+        // otherwise carry room for it in its task (and copy that room when the task is spawned
+        // and when it ends).
         Outcome::Unknown(e) if super::reconcile::applies(ctx) => {
-            super::reconcile::after_unknown(ctx, e).await
+            Box::pin(super::reconcile::after_unknown(ctx, e)).await
         }
         outcome => {
             let finish = finish_of(ctx, &outcome);
