@@ -7,14 +7,13 @@
 //! local waiters from hammering it.
 
 use std::collections::HashMap;
-use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 const SHARDS: usize = 16;
 
-type Shard = Mutex<HashMap<String, Arc<Semaphore>>>;
+type Shard = Mutex<HashMap<String, Arc<Semaphore>, ahash::RandomState>>;
 
 /// A sharded table of named one-permit locks.
 /// Clones share the table (a reloaded configuration keeps every lock held).
@@ -22,7 +21,7 @@ type Shard = Mutex<HashMap<String, Arc<Semaphore>>>;
 pub struct LockTable {
     // std Mutex: held only to look up or remove an entry, never across an await.
     shards: Arc<[Shard; SHARDS]>,
-    hasher: std::collections::hash_map::RandomState,
+    hasher: ahash::RandomState,
 }
 
 /// Why a lock was not taken.

@@ -44,7 +44,7 @@ struct Entries {
     /// Keys released lately, with when: a read that started before a release must not put
     /// the released answer back (tombstones live as long as an entry would). A std mutex: a
     /// map look-up or insert, never held across an await.
-    released: Mutex<HashMap<String, i64>>,
+    released: Mutex<HashMap<String, i64, ahash::RandomState>>,
 }
 
 impl Entries {
@@ -121,7 +121,7 @@ pub struct CachedStore {
     /// The fingerprint of each key this process reserved, until its outcome is stored (the
     /// outcome carries only the answer), and the number of its answer when it was answered
     /// before its commit (see [`Keys::remember`]).
-    reserved: Mutex<HashMap<ScopedKey, (String, Option<u64>)>>,
+    reserved: Mutex<HashMap<ScopedKey, (String, Option<u64>), ahash::RandomState>>,
     /// Answers given before their commit, which an operator's read waits for.
     settling: Settling,
 }
