@@ -172,6 +172,13 @@ const HOP_BY_HOP: [HeaderName; 8] = [
 
 /// Removes hop-by-hop headers (RFC 9110 §7.6.1), including those named by `Connection`.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most requests carry none: one pass over the few names present, not ten look-ups.
+    if !headers
+        .keys()
+        .any(|n| n == header::UPGRADE || HOP_BY_HOP.contains(n))
+    {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
