@@ -102,7 +102,7 @@ fn hashed(s: &str) -> String {
 
 /// Appends the lower-case hex of `bytes`. Every request hexes two digests (its scope and its
 /// fingerprint); `hex::encode` collects its string a `char` at a time, about 2,200
-/// instructions for 32 bytes against some 300 here.
+/// instructions for 32 bytes against about 200 here.
 pub fn push_hex(out: &mut String, bytes: &[u8]) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     out.reserve(bytes.len() * 2);
