@@ -161,34 +161,55 @@ pub fn release_key(ctx: &Ctx, key: &str) -> StoreResult<(u64, i64)> {
     Ok((released as u64, seq))
 }
 
+impl SqliteStore {
+    /// [`Keys::finish`], its caller hearing back as `heard` says — except that an outcome
+    /// with effects (a version, a claim) always waits for its sync: those are never answered
+    /// first. Sealed here, on the request's task, not on the one writer thread (which opens
+    /// only the rare record a reservation finds standing, see `record`).
+    async fn store_outcome(
+        &self,
+        id: &ScopedKey,
+        epoch: i64,
+        outcome: Finish,
+        heard: Heard,
+    ) -> StoreResult<bool> {
+        let columns = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
+        let heard = match columns.effects.is_empty() {
+            true => heard,
+            false => Heard::Synced,
+        };
+        self.writer.finish(id.clone(), epoch, columns, heard).await
+    }
+}
+
 #[async_trait]
 impl Keys for SqliteStore {
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
-        let row = sqlx::query(&format!(
-            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ? AND scope = ? AND key = ?"
-        ))
-        .bind(&id.upstream)
-        .bind(&id.scope)
-        .bind(&id.key)
-        .fetch_optional(&self.reads)
-        .await?;
+        // Every request with an entity, a precheck or `in_flight = "reject"` looks its key up
+        // here: the statement's text is built once.
+        static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+            format!(
+                "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ? AND scope = ? AND key = ?"
+            )
+        });
+        let row = sqlx::query(&SQL)
+            .bind(&id.upstream)
+            .bind(&id.scope)
+            .bind(&id.key)
+            .fetch_optional(&self.reads)
+            .await?;
         let cipher = self.cipher.as_deref();
         row.as_ref()
             .map(|r| rows::key_record(r, cipher))
             .transpose()
     }
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
-        // The upsert's `WHERE` leaves a standing record untouched: no page is written, so its
-        // commit writes nothing and syncs nothing.
+        // A new key is one insert; a standing one is read and changes nothing, so its commit
+        // writes nothing and syncs nothing (see `reserve` above).
         self.writer.reserve(r).await
     }
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        // Sealed here, on the request's task, not on the one writer task (which opens only the
-        // rare record a reservation finds standing, see `existing`).
-        let columns = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
-        self.writer
-            .finish(id.clone(), epoch, columns, Heard::Synced)
-            .await
+        self.store_outcome(id, epoch, outcome, Heard::Synced).await
     }
     async fn finish_answered(
         &self,
@@ -196,13 +217,8 @@ impl Keys for SqliteStore {
         epoch: i64,
         outcome: Finish,
     ) -> StoreResult<bool> {
-        let columns = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
-        // Effects (a version, a claim) are never answered first; should one come, it waits.
-        let heard = match columns.effects.is_empty() {
-            true => Heard::Committed,
-            false => Heard::Synced,
-        };
-        self.writer.finish(id.clone(), epoch, columns, heard).await
+        self.store_outcome(id, epoch, outcome, Heard::Committed)
+            .await
     }
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
         let id = id.clone();
