@@ -17,6 +17,7 @@ mod entities;
 mod keys;
 mod meta;
 mod releases;
+mod walbuf;
 mod writer;
 
 use super::codec::encode_entities;
@@ -108,7 +109,15 @@ fn writer_connection(
             "the SQLite store needs a database file (an in-memory database is not durable)".into(),
         ));
     }
-    let conn = rusqlite::Connection::open(db)?;
+    // Each commit's WAL frames in one write (see [`walbuf`]); the plain VFS if it cannot register.
+    let conn = match walbuf::register() {
+        true => rusqlite::Connection::open_with_flags_and_vfs(
+            db,
+            rusqlite::OpenFlags::default(),
+            walbuf::NAME_STR,
+        )?,
+        false => rusqlite::Connection::open(db)?,
+    };
     conn.busy_timeout(Duration::from_secs(5))?;
     conn.set_prepared_statement_cache_capacity(64);
     conn.pragma_update(None, "journal_mode", "WAL")?;
