@@ -42,8 +42,7 @@ impl PgServer {
             eprintln!("\n!!!!! {msg} !!!!!\n");
             return None;
         };
-        let cluster = Cluster::init(bin);
-        cluster.start();
+        let cluster = Cluster::launch(bin);
         let base = format!("postgres://postgres@127.0.0.1:{}/postgres", cluster.port);
         let url = fresh_database(&base).await;
         Some(PgServer {
@@ -126,7 +125,34 @@ impl Cluster {
         c
     }
 
+    /// A new cluster, started. The port is picked free but is only taken when the server binds
+    /// it, so a test starting beside others may lose it to one of them: then another port.
+    fn launch(bin: PathBuf) -> Cluster {
+        let mut c = Cluster::init(bin);
+        let mut attempt = 1;
+        loop {
+            match c.try_start() {
+                Ok(()) => return c,
+                Err(e) if attempt < 3 => {
+                    eprintln!(
+                        "PostgreSQL did not start on port {}: {e}; trying another",
+                        c.port
+                    );
+                    c.port = crate::common::unused_addr().port();
+                    attempt += 1;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
     fn start(&self) {
+        if let Err(e) = self.try_start() {
+            panic!("{e}");
+        }
+    }
+
+    fn try_start(&self) -> Result<(), String> {
         let opts = format!(
             "-p {} -k {} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200",
             self.port,
@@ -137,19 +163,24 @@ impl Cluster {
             .parent()
             .unwrap_or(Path::new("/tmp"))
             .join("pg.log");
-        self.pg_ctl(&[
-            "start",
-            "-w",
-            "-t",
-            "30",
-            "-o",
-            &opts,
-            "-l",
-            &log.display().to_string(),
-        ]);
+        let log_arg = log.display().to_string();
+        let args = ["start", "-w", "-t", "30", "-o", &opts, "-l", &log_arg];
+        self.run(&args).map_err(|e| {
+            let tail = std::fs::read_to_string(&log).unwrap_or_default();
+            let tail: Vec<&str> = tail.lines().rev().take(5).collect();
+            format!("{e}\nserver log, last lines (newest first): {tail:?}")
+        })
     }
 
     fn pg_ctl(&self, args: &[&str]) {
+        if let Err(e) = self.run(args) {
+            if !args.contains(&"immediate") {
+                panic!("{e}");
+            }
+        }
+    }
+
+    fn run(&self, args: &[&str]) -> Result<(), String> {
         let out = self
             .command("pg_ctl")
             .arg("-D")
@@ -157,12 +188,13 @@ impl Cluster {
             .args(args)
             .output()
             .expect("run pg_ctl");
-        if !out.status.success() && !args.contains(&"immediate") {
-            panic!(
+        match out.status.success() {
+            true => Ok(()),
+            false => Err(format!(
                 "pg_ctl {args:?} failed: {}{}",
                 String::from_utf8_lossy(&out.stdout),
                 String::from_utf8_lossy(&out.stderr)
-            );
+            )),
         }
     }
 
