@@ -230,7 +230,7 @@ fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) {
         // A transaction left open by a failed commit is let go before the next one.
         let _ = conn.execute_batch("ROLLBACK");
     }
-    if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
+    if let Err(e) = run_cached(conn, "BEGIN IMMEDIATE") {
         // Dropping the batch unrun drops its replies: every caller gets an error.
         tracing::error!(error = %e, "SQLite cannot begin a write");
         return;
@@ -288,7 +288,7 @@ fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) {
 
 /// Commits the batch's transaction: `Some(why)` when it could not.
 fn commit(conn: &Connection) -> Option<String> {
-    match conn.execute_batch("COMMIT") {
+    match run_cached(conn, "COMMIT") {
         Ok(()) => None,
         Err(e) => {
             // Leave no transaction open behind a failed commit (ignore "no transaction").
@@ -296,4 +296,10 @@ fn commit(conn: &Connection) -> Option<String> {
             Some(format!("commit failed: {e}"))
         }
     }
+}
+
+/// A statement without parameters or rows, prepared once: `BEGIN` and `COMMIT` run thousands of
+/// times a second, and `execute_batch` would parse them each time.
+fn run_cached(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
+    conn.prepare_cached(sql)?.execute([]).map(drop)
 }
