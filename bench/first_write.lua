@@ -1,5 +1,8 @@
 -- Every request a new idempotency key: each one is a durable first write (reserve, forward,
--- store), never a replay.
+-- store), never a replay. The request is built once per thread (wrk.format) and only the key
+-- and the customer change per request, by concatenation: wrk shares the cores with what it
+-- measures, and building each request with wrk.format cost it ~2 µs more per request than a
+-- static one.
 local counter = 0
 local threads = {}
 
@@ -9,13 +12,16 @@ function setup(thread)
 end
 
 function init(args)
-  prefix = string.format("bench-%d-%d-", os.time(), id)
+  local prefix = string.format("bench-%d-%d-", os.time(), id)
+  -- "@CUS" is as long as the four digits that replace it: Content-Length stays right.
+  local template = wrk.format("POST", "/api/v1/charges", {
+    ["Content-Type"] = "application/json",
+    ["Idempotency-Key"] = prefix .. "@KEY@",
+  }, '{"amount":100,"currency":"usd","customer":"cus_@CUS"}')
+  head, middle, tail = template:match("^(.-)@KEY@(.-)@CUS(.*)$")
 end
 
 function request()
   counter = counter + 1
-  return wrk.format("POST", "/api/v1/charges", {
-    ["Content-Type"] = "application/json",
-    ["Idempotency-Key"] = prefix .. counter,
-  }, '{"amount":100,"currency":"usd","customer":"cus_' .. (counter % 1000) .. '"}')
+  return head .. counter .. middle .. string.format("%04d", counter % 1000) .. tail
 end
