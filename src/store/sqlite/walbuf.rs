@@ -183,7 +183,11 @@ unsafe extern "C" fn write(
     let appends = w.gathered.is_empty() || offset == end;
     let frame_part =
         bytes.len() == FRAME_HEADER || bytes.len().is_power_of_two() && bytes.len() >= 512;
-    if !std::mem::take(&mut w.through_next) && appends && frame_part {
+    let commit = bytes.len() == FRAME_HEADER && bytes[4..8] != [0; 4];
+    // A commit frame's page goes straight through whichever way its header went: nothing
+    // written before the commit returns may stay gathered.
+    let through = std::mem::replace(&mut w.through_next, commit);
+    if !through && appends && frame_part {
         if w.gathered.len() + bytes.len() > MAX_GATHERED {
             let rc = flush(w);
             if rc != ffi::SQLITE_OK {
@@ -194,12 +198,10 @@ unsafe extern "C" fn write(
             w.start = offset;
         }
         w.gathered.extend_from_slice(bytes);
-        let commit = bytes.len() == FRAME_HEADER && bytes[4..8] != [0; 4];
         if !commit {
             return ffi::SQLITE_OK;
         }
-        // The commit frame: out now, with everything before it; its page follows unbuffered.
-        w.through_next = true;
+        // The commit frame: out now, with everything before it.
         return flush(w);
     }
     let rc = flush(w);
@@ -381,10 +383,16 @@ mod tests {
             w.execute("UPDATE t SET v = zeroblob(2000) WHERE id % 7 = 0", [])
                 .unwrap();
         };
+        w.execute("INSERT INTO t VALUES (1, zeroblob(10))", [])
+            .unwrap();
         w.execute_batch("BEGIN").unwrap();
-        big(&w, 0);
+        big(&w, 1000);
         w.execute_batch("ROLLBACK").unwrap();
-        assert_eq!(rows(&after_a_crash(&path)), vec![]);
+        // A commit of one frame, written where the rolled-back frames were.
+        w.execute("UPDATE t SET v = zeroblob(5) WHERE id = 1", [])
+            .unwrap();
+        assert_eq!(rows(&after_a_crash(&path)), vec![(1, 5)]);
+        w.execute("DELETE FROM t", []).unwrap();
         w.execute_batch("BEGIN").unwrap();
         big(&w, 1000);
         w.execute_batch("COMMIT").unwrap();
@@ -392,5 +400,71 @@ mod tests {
         assert_eq!(want.len(), 200);
         assert_eq!(rows(&Connection::open(&path).unwrap()), want);
         assert_eq!(rows(&after_a_crash(&path)), want);
+    }
+
+    /// The VFS's own rule, without SQLite's choices in the way: once a commit frame (header
+    /// and page) is written, every byte written so far is in the file, wherever the header
+    /// landed relative to what was gathered.
+    #[test]
+    fn nothing_stays_gathered_after_a_commit_frame() {
+        assert!(register());
+        let dir = tempfile::tempdir().unwrap();
+        // The unix VFS gives a WAL its database's mode: the database must exist.
+        std::fs::write(dir.path().join("db"), b"").unwrap();
+        let path = dir.path().join("db-wal");
+        let cpath = std::ffi::CString::new(path.to_str().unwrap()).unwrap();
+        // SAFETY: our VFS's xOpen and methods, called as SQLite would, on memory of its size.
+        unsafe {
+            let vfs = ffi::sqlite3_vfs_find(NAME.as_ptr());
+            assert!(!vfs.is_null());
+            let mut mem = vec![0u64; ((*vfs).szOsFile as usize).div_ceil(8)];
+            let file = mem.as_mut_ptr() as *mut ffi::sqlite3_file;
+            let flags = ffi::SQLITE_OPEN_WAL | ffi::SQLITE_OPEN_READWRITE | ffi::SQLITE_OPEN_CREATE;
+            let open = (*vfs).xOpen.unwrap();
+            assert_eq!(
+                open(vfs, cpath.as_ptr(), file, flags, std::ptr::null_mut()),
+                0
+            );
+            let m = &*(*file).pMethods;
+            let put = |bytes: &[u8], at: i64| {
+                let rc = m.xWrite.unwrap()(
+                    file,
+                    bytes.as_ptr() as *const c_void,
+                    bytes.len() as c_int,
+                    at,
+                );
+                assert_eq!(rc, ffi::SQLITE_OK);
+            };
+            let header = |commit: u8| {
+                let mut h = [0u8; FRAME_HEADER];
+                h[7] = commit;
+                h
+            };
+            // A frame gathered at 20,000, then a one-frame commit written lower down (a log
+            // restarted over frames that were never committed).
+            put(&header(0), 20_000);
+            put(&[1u8; 4096], 20_024);
+            put(&header(9), 100);
+            put(&[2u8; 4096], 100 + 24);
+            let on_disk = std::fs::read(&path).unwrap();
+            assert_eq!(&on_disk[100..124], &header(9)[..]);
+            assert!(
+                on_disk[124..124 + 4096].iter().all(|&b| b == 2),
+                "the commit's page"
+            );
+            assert!(on_disk[20_024..24_120].iter().all(|&b| b == 1));
+            // The usual shape: frames gathered, then the commit frame right after them.
+            put(&header(0), 10_000);
+            put(&[3u8; 4096], 10_024);
+            put(&header(9), 14_120);
+            put(&[4u8; 4096], 14_144);
+            let on_disk = std::fs::read(&path).unwrap();
+            assert!(on_disk[10_024..14_120].iter().all(|&b| b == 3));
+            assert!(
+                on_disk[14_144..18_240].iter().all(|&b| b == 4),
+                "the commit's page"
+            );
+            assert_eq!(m.xClose.unwrap()(file), ffi::SQLITE_OK);
+        }
     }
 }
