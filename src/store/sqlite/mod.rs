@@ -111,12 +111,10 @@ fn writer_connection(
     }
     // Each commit's WAL frames in one write (see [`walbuf`]); the plain VFS if it cannot register.
     let conn = match walbuf::register() {
-        true => rusqlite::Connection::open_with_flags_and_vfs(
-            db,
-            rusqlite::OpenFlags::default(),
-            walbuf::NAME_STR,
-        )?,
-        false => rusqlite::Connection::open(db)?,
+        Some(vfs) => {
+            rusqlite::Connection::open_with_flags_and_vfs(db, rusqlite::OpenFlags::default(), vfs)?
+        }
+        None => rusqlite::Connection::open(db)?,
     };
     conn.busy_timeout(Duration::from_secs(5))?;
     conn.set_prepared_statement_cache_capacity(64);

@@ -25,10 +25,8 @@ use rusqlite::ffi;
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::OnceLock;
 
-/// The name the writer's connection opens the database with.
-pub const NAME: &CStr = c"idemproxy-wal";
-/// [`NAME`] as rusqlite takes it.
-pub const NAME_STR: &str = "idemproxy-wal";
+/// The name the writer's connection opens the database with (see [`register`]).
+const NAME: &CStr = c"idemproxy-wal";
 
 /// Gathered bytes beyond this are written out before more are taken (a large commit): the unix
 /// VFS writes at most 128 KiB − 1 bytes a call (`seekAndWriteFd` masks the length with
@@ -47,8 +45,9 @@ unsafe impl Sync for Registered {}
 
 static VFS: OnceLock<Option<Registered>> = OnceLock::new();
 
-/// Registers the VFS once; `false` when it cannot be (no default VFS, SQLite refused).
-pub fn register() -> bool {
+/// Registers the VFS once and returns its name to open a connection with; `None` when it
+/// cannot be (no default VFS, SQLite refused).
+pub fn register() -> Option<&'static str> {
     VFS.get_or_init(|| {
         // SAFETY: sqlite3_vfs_find(NULL) returns the default VFS (static for the process); the
         // struct we register is leaked, so it lives as long as SQLite may use it.
@@ -72,7 +71,8 @@ pub fn register() -> bool {
             Some(Registered { unix })
         }
     })
-    .is_some()
+    .as_ref()
+    .and_then(|_| NAME.to_str().ok())
 }
 
 /// A WAL file: the unix VFS's file, and the appended bytes not yet written.
