@@ -9,15 +9,20 @@
 #   e.g. git worktree add /tmp/base HEAD~1 && (cd /tmp/base && cargo build --release)
 #        bench/ab.sh /tmp/base/target/release/idemproxy target/release/idemproxy 12
 # The script defaults to bench/first_write.lua (bench/replay.lua: replays of one key).
+# STORE=postgres runs both on a throwaway local PostgreSQL 15 cluster (PG_BIN), each run on a
+# fresh database; the CPU per request then also counts the database's (every postgres process).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 A=$(realpath "$1"); B=$(realpath "$2"); N=${3:-10}; DUR=${4:-4}; CONN=${5:-64}
 SCRIPT=${6:-bench/first_write.lua}
 WORK=$(mktemp -d /tmp/idemproxy-ab.XXXXXX)
 chmod 755 "$WORK"
+STORE=${STORE:-sqlite}
+PG_BIN=${PG_BIN:-/usr/lib/postgresql/15/bin}
 cleanup() {
   kill $(cat "$WORK"/*.pid 2>/dev/null) 2>/dev/null || true
   nginx -p "$WORK" -c "$WORK/nginx.conf" -s stop 2>/dev/null || true
+  [ -d "$WORK/pg" ] && runuser -u postgres -- "$PG_BIN/pg_ctl" -D "$WORK/pg" -m immediate stop >/dev/null 2>&1 || true
   rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -25,13 +30,36 @@ trap cleanup EXIT
 need wrk nginx
 UP=$(free_port); PROXY=$(free_port); ADMIN=$(free_port)
 start_nginx "$WORK" "$UP"
-proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$WORK/idemproxy.db\"" > "$WORK/proxy.toml"
+if [ "$STORE" = postgres ]; then
+  PGPORT=$(free_port)
+  mkdir -p "$WORK/pg" && chown postgres "$WORK/pg"
+  runuser -u postgres -- "$PG_BIN/initdb" -D "$WORK/pg" -A trust -U postgres >/dev/null
+  runuser -u postgres -- "$PG_BIN/pg_ctl" -D "$WORK/pg" -l "$WORK/pg/server.log" -w \
+    -o "-p $PGPORT -k $WORK/pg -c listen_addresses=127.0.0.1" start >/dev/null
+  proxy_toml "$PROXY" "$ADMIN" "url = \"postgres://postgres@127.0.0.1:$PGPORT/bench\"
+scope_secret = \"bench-secret-0123456789abcdef0123456789\"" > "$WORK/proxy.toml"
+else
+  proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$WORK/idemproxy.db\"" > "$WORK/proxy.toml"
+fi
 
-# cpu_us PID: CPU time of every thread of PID so far, in µs.
-cpu_us() { awk '{print ($14 + $15) * 1e6 / 100}' "/proc/$1/stat"; }
+# cpu_us PID: CPU time of every thread of PID so far, in µs (and of every postgres process).
+cpu_us() {
+  local files=("/proc/$1/stat")
+  [ "$STORE" = postgres ] && for p in $(pgrep -x postgres); do files+=("/proc/$p/stat"); done
+  cat "${files[@]}" 2>/dev/null | awk '{s += $14 + $15} END {print s * 1e6 / 100}'
+}
+# fresh: an empty store for the next run.
+fresh() {
+  if [ "$STORE" = postgres ]; then
+    local pg=(runuser -u postgres -- "$PG_BIN/psql" -q -h 127.0.0.1 -p "$PGPORT" -U postgres -d postgres)
+    "${pg[@]}" -c 'DROP DATABASE IF EXISTS bench' -c 'CREATE DATABASE bench' -c CHECKPOINT
+  else
+    rm -f "$WORK"/idemproxy.db*
+  fi
+}
 
 measure() { # BIN: "req/s cpu-µs-per-request" of one run on a fresh store
-  rm -f "$WORK"/idemproxy.db*
+  fresh
   TOKIO_WORKER_THREADS=${PROXY_WORKERS:-$(nproc)} RUST_LOG=warn "$1" serve --config "$WORK/proxy.toml" \
     2>>"$WORK/proxy.log" &
   local pid=$!
@@ -48,7 +76,7 @@ measure() { # BIN: "req/s cpu-µs-per-request" of one run on a fresh store
     '/requests in/ {n = $1} /Requests\/sec/ {r = $2} END {printf "%s %.1f\n", r, cpu / n}'
 }
 
-echo "A: $A"; echo "B: $B"; echo "$N pairs, $DUR s each, $CONN connections, $SCRIPT"
+echo "A: $A"; echo "B: $B"; echo "$N pairs, $DUR s each, $CONN connections, $SCRIPT, $STORE"
 for _ in $(seq "$N"); do
   echo "$(measure "$A") $(measure "$B")"
 done | awk '{
