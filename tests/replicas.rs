@@ -169,6 +169,42 @@ async fn twenty_identical_requests_over_three_replicas_forward_once() {
     }
 }
 
+/// A retry that waits on another replica for a key in flight asks to be told of its outcome
+/// (`Keys::watch_key`), and the outcome's NOTIFY wakes it: not the end of the 30 s lease, nor
+/// the 30 s lock timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_retry_waiting_on_another_replica_wakes_at_the_outcome() {
+    let Some(Cluster {
+        pg: _pg,
+        upstream,
+        _dir,
+        ps,
+    }) = cluster(2, "30s", RecordingUpstream::builder().hold()).await
+    else {
+        return;
+    };
+    let send = |url: String| {
+        tokio::spawn(async move {
+            let h = [("x-delivery-id", "delivery-w")];
+            post_json(&url, None, &json!({"customer": "cus_w"}), &h).await
+        })
+    };
+    let first = send(ps[0].url("/api/hooks"));
+    upstream.wait_for_held(1).await;
+    let retry = send(ps[1].url("/api/hooks"));
+    wait_for_waiting(&ps[1..], 1).await;
+    upstream.release_one();
+    first.await.unwrap().assert_status(200);
+    // A liveness bound a third of the lease: only the notification wakes the retry this soon.
+    let retry = tokio::time::timeout(Duration::from_secs(10), retry)
+        .await
+        .expect("the waiting retry was not woken by the outcome")
+        .unwrap();
+    retry.assert_status(200);
+    assert_eq!(retry.replayed(), Some(true));
+    assert_eq!(upstream.count(), 1, "forwarded once across the replicas");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn writes_to_one_entity_never_overlap_across_replicas() {
     let Some(Cluster {

@@ -30,8 +30,11 @@ enum Decision {
         reconcile: Option<Duration>,
     },
     Replay(Arc<StoredResponse>),
-    /// Another process owns the key until this time (ms); wait for it.
-    WaitForeign(i64),
+    /// Another request owns the key (at this epoch) until this time (ms); wait for it.
+    WaitForeign {
+        until: i64,
+        epoch: i64,
+    },
 }
 
 /// Step 2. The first time, it also takes the key's local slot (one request per scoped key in
@@ -76,7 +79,9 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
         if let Some(record) = ctx.taken.take() {
             match decide(ctx, Some(&record))? {
                 Decision::Replay(stored) => return Ok(Found::Replay(stored)),
-                Decision::WaitForeign(until) => wait_foreign(ctx, until, deadline).await?,
+                Decision::WaitForeign { until, epoch } => {
+                    wait_foreign(ctx, until, epoch, deadline).await?
+                }
                 // Our reading and the store disagree (another replica's clock, a race): try
                 // again, but never past the deadline.
                 Decision::Proceed { .. } if Instant::now() >= deadline => return Err(in_progress()),
@@ -99,7 +104,9 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
                 ctx.reconcile_first = reconcile;
                 return Ok(Found::Proceed);
             }
-            Decision::WaitForeign(until) => wait_foreign(ctx, until, deadline).await?,
+            Decision::WaitForeign { until, epoch } => {
+                wait_foreign(ctx, until, epoch, deadline).await?
+            }
         }
     }
 }
@@ -174,7 +181,10 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
             },
         },
         KeyState::InFlight if ctx.route.in_flight == InFlight::Reject => return Err(in_progress()),
-        KeyState::InFlight => Decision::WaitForeign(rec.lease_until),
+        KeyState::InFlight => Decision::WaitForeign {
+            until: rec.lease_until,
+            epoch: rec.epoch,
+        },
         KeyState::Unknown if native || reconcile.is_some() => Decision::Proceed {
             take_unknown: true,
             reconcile,
@@ -183,11 +193,26 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
     })
 }
 
-/// Waits for another process's in-flight record: until it changes, its lease ends, or our
-/// deadline passes.
-async fn wait_foreign(ctx: &mut Ctx, until_ms: i64, deadline: Instant) -> ProxyResult<()> {
+/// Waits for another request's in-flight record: until it changes, its lease ends, or our
+/// deadline passes. The store is first asked to tell us of the change (see
+/// [`crate::store::Keys::watch_key`]); when it has changed already, there is nothing to wait
+/// for: the caller reads it again.
+async fn wait_foreign(
+    ctx: &mut Ctx,
+    until_ms: i64,
+    epoch: i64,
+    deadline: Instant,
+) -> ProxyResult<()> {
     if Instant::now() >= deadline {
         return Err(in_progress());
+    }
+    let store = &ctx.state.store;
+    if !store
+        .watch_key(&ctx.p.id, epoch)
+        .await
+        .map_err(ProxyError::store)?
+    {
+        return Ok(());
     }
     let _waiting = ctx.state.stats.wait();
     let lease_left = Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64 + 1);

@@ -223,6 +223,9 @@ impl Keys for CachedStore {
     fn subscribe_key(&self, id: &ScopedKey) -> Option<tokio::sync::watch::Receiver<u64>> {
         self.inner.subscribe_key(id)
     }
+    async fn watch_key(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool> {
+        self.inner.watch_key(id, epoch).await
+    }
     async fn release_key(&self, key: &str) -> StoreResult<u64> {
         // An operator's act, like an operator's read, comes after the answers already given
         // (a key answered and not yet committed is still in flight: not releasable).

@@ -247,6 +247,13 @@ pub trait Keys: Send + Sync + 'static {
     fn subscribe_key(&self, _id: &ScopedKey) -> Option<tokio::sync::watch::Receiver<u64>> {
         None
     }
+    /// Asks to be told when the record of `id`, seen in flight at `epoch` and owned by
+    /// another request, changes: called after [`Keys::subscribe_key`] and before waiting on
+    /// it. `false`: it is no longer in flight at that epoch, so read it again instead of
+    /// waiting. A store that tells its subscribers of every change has nothing to record.
+    async fn watch_key(&self, _id: &ScopedKey, _epoch: i64) -> StoreResult<bool> {
+        Ok(true)
+    }
     /// Operator release: every record with this key (any upstream or scope) that is not live
     /// in flight becomes forwardable again. Returns how many.
     async fn release_key(&self, key: &str) -> StoreResult<u64>;

@@ -217,7 +217,9 @@ pub(super) async fn finish_many(
 }
 
 /// Stores every outcome whose epoch still owns its key (`false` for the fenced ones), and
-/// NOTIFYs each stored key in the same statement.
+/// NOTIFYs, in the same statement, each stored key that a waiter watches (see
+/// `Keys::watch_key`): the row lock orders a watch and an outcome, so either the outcome's
+/// update sees the mark, or the watch finds the key no longer in flight.
 pub(super) async fn store_outcomes<'e>(
     db: impl sqlx::PgExecutor<'e>,
     clock: &Clock,
@@ -241,8 +243,9 @@ pub(super) async fn store_outcomes<'e>(
          FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::text[], $6::int4[], $7::bytea[], $8::bytea[], $9::int8[], $10::text[]) \
            AS v(u, s, k, epoch, st, status, h, b, x, ek) \
          WHERE k.upstream = v.u AND k.scope = v.s AND k.key = v.k AND k.state = 'in_flight' AND k.epoch = v.epoch \
-         RETURNING k.upstream, k.scope, k.key) \
-         SELECT upstream, scope, key, pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u"
+         RETURNING k.upstream, k.scope, k.key, k.watched) \
+         SELECT upstream, scope, key, CASE WHEN watched THEN \
+           pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text END FROM u"
     ))
     .bind(ids(|id| &id.upstream))
     .bind(ids(|id| &id.scope))

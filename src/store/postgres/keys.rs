@@ -1,5 +1,5 @@
-//! Keys on PostgreSQL: reserve, finish and renew, fenced on the record's epoch; each change of
-//! a key is NOTIFYed so waiters in other replicas wake without polling.
+//! Keys on PostgreSQL: reserve, finish and renew, fenced on the record's epoch; a change of a
+//! key that a waiter watches is NOTIFYed, so waiters in other replicas wake without polling.
 
 use super::*;
 
@@ -66,6 +66,23 @@ impl Keys for PgStore {
     }
     fn subscribe_key(&self, id: &ScopedKey) -> Option<tokio::sync::watch::Receiver<u64>> {
         Some(self.hub.subscribe(&key_topic(id)))
+    }
+    /// Marks the record watched, so that storing its outcome NOTIFYs (see migration `0010`:
+    /// a NOTIFY for every outcome reached every replica, for waiters that are rare). The
+    /// update waits for an outcome being stored and then finds it settled (`false`: read the
+    /// record again); an outcome stored after it sees the mark.
+    async fn watch_key(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool> {
+        let res = sqlx::query(
+            "UPDATE idem_keys SET watched = true \
+             WHERE upstream = $1 AND scope = $2 AND key = $3 AND state = 'in_flight' AND epoch = $4",
+        )
+        .bind(&id.upstream)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .bind(epoch)
+        .execute(&self.pool)
+        .await?;
+        Ok(res.rows_affected() == 1)
     }
     async fn release_key(&self, key: &str) -> StoreResult<u64> {
         let rows = sqlx::query(&format!(
