@@ -1,6 +1,7 @@
 //! Keys on SQLite: the writes every request makes (reserve, finish), run by the writer thread
-//! one prepared statement per request inside the batch's transaction, and the reads, from the
-//! read pool.
+//! one prepared statement per request inside the batch's transaction, and the reads: a key's
+//! record on the caller's thread ([`super::reader`]), the operator's listings from the read
+//! pool.
 
 use super::entities::apply_effects;
 use super::writer::{Ctx, Heard};
@@ -92,17 +93,7 @@ static RESERVE_TAKING_UNKNOWN: std::sync::LazyLock<String> =
 /// One record, read on the writer's connection (inside its transaction).
 fn record(ctx: &Ctx, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
     // Every replay the cache misses comes this way (the reservation is its look-up).
-    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-        format!(
-            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ?1 AND scope = ?2 AND key = ?3"
-        )
-    });
-    let mut stmt = ctx.conn.prepare_cached(&SQL)?;
-    let mut rows = stmt.query(params![id.upstream, id.scope, id.key])?;
-    match rows.next()? {
-        Some(row) => Ok(Some(rows::key_record(&Lite(row), ctx.cipher)?)),
-        None => Ok(None),
-    }
+    super::reader::read_record(ctx.conn, ctx.cipher, id)
 }
 
 /// Stores the outcome if `epoch` still owns the key (`false`: fenced off). Effects (versions,
@@ -186,22 +177,8 @@ impl SqliteStore {
 impl Keys for SqliteStore {
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
         // Every request with an entity, a precheck or `in_flight = "reject"` looks its key up
-        // here: the statement's text is built once.
-        static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-            format!(
-                "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ? AND scope = ? AND key = ?"
-            )
-        });
-        let row = sqlx::query(&SQL)
-            .bind(&id.upstream)
-            .bind(&id.scope)
-            .bind(&id.key)
-            .fetch_optional(&self.reads)
-            .await?;
-        let cipher = self.cipher.as_deref();
-        row.as_ref()
-            .map(|r| rows::key_record(r, cipher))
-            .transpose()
+        // here, on its own thread (see [`super::reader`]).
+        self.reader.record(self.cipher.as_deref(), id)
     }
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
         // A new key is one insert; a standing one is read and changes nothing, so its commit

@@ -4,8 +4,8 @@
 //! whatever writes are queued into one transaction and answers each caller only after the
 //! `COMMIT` is on disk ([`durable`]: the `fsync` runs on a thread of its own, beside the next
 //! batch) — so a reservation is durable before anything is forwarded, yet many concurrent
-//! first writes share one fsync instead of paying one each. Reads use a separate pool (sqlx;
-//! WAL lets them run beside the writer).
+//! first writes share one fsync instead of paying one each. Reads run beside the writer (WAL):
+//! a key's look-up on the caller's own thread ([`reader`]), everything else on a sqlx pool.
 //!
 //! SQLite serves one `serve` process: with `exclusive`, the store takes an OS lock on
 //! `<db>.lock`, so a second `serve` on the same file refuses to start, and any record still
@@ -16,6 +16,7 @@ mod durable;
 mod entities;
 mod keys;
 mod meta;
+mod reader;
 mod releases;
 mod walbuf;
 mod writer;
@@ -34,6 +35,8 @@ use super::rows::{
 
 pub struct SqliteStore {
     reads: SqlitePool,
+    /// The key look-up of the request path, on the caller's thread (see [`reader`]).
+    reader: reader::Reader,
     writer: Arc<Writer>,
     /// Held for the life of a `serve` process: the exclusive lock on `<db>.lock`.
     lock: Option<std::fs::File>,
@@ -86,6 +89,7 @@ impl SqliteStore {
             );
         }
         Ok(SqliteStore {
+            reader: reader::Reader::new(opts.get_filename()),
             reads,
             writer,
             lock,

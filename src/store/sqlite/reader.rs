@@ -1,0 +1,135 @@
+//! The key look-up, run on the caller's own thread.
+//!
+//! Every request with an entity, a precheck or `in_flight = "reject"` reads its key before it
+//! takes a lock, and so does every replay the replay cache misses. Through the sqlx pool such a
+//! read was handed to the connection's worker thread and its answer handed back: two wake-ups
+//! between threads per read (on this project's VM, a wake-up across cores is a host round
+//! trip), with eight worker threads woken in turn. Here the caller runs the one indexed
+//! `SELECT` itself on a pooled `rusqlite` connection: an index look-up of a local file, a few
+//! microseconds when its pages are in the page cache (as the hot part of the store is). A read
+//! of pages that are not (a cold start on a slow disk) holds the calling worker for that read,
+//! as a page fault would; nothing in it waits on the writer, since WAL readers read a snapshot.
+
+use super::*;
+use crate::store::seal::Cipher;
+use rusqlite::{params, Connection, OpenFlags};
+use std::sync::Mutex;
+
+/// Idle connections kept: at most one read runs per thread at a time, and tokio runs one
+/// worker per core, so more would only idle.
+const KEEP: usize = 8;
+
+/// Read-only connections to the store's file, taken for one read at a time.
+pub struct Reader {
+    db: std::path::PathBuf,
+    idle: Mutex<Vec<Connection>>,
+}
+
+impl Reader {
+    pub fn new(db: &std::path::Path) -> Reader {
+        Reader {
+            db: db.to_owned(),
+            idle: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The record of `id`, if any, read on this thread.
+    pub fn record(
+        &self,
+        cipher: Option<&Cipher>,
+        id: &ScopedKey,
+    ) -> StoreResult<Option<KeyRecord>> {
+        let taken = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let conn = match taken {
+            Some(conn) => conn,
+            None => self.open()?,
+        };
+        let found = read_record(&conn, cipher, id);
+        // A connection that failed a read is dropped, not pooled: the next read opens another.
+        if found.is_ok() {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            if idle.len() < KEEP {
+                idle.push(conn);
+            }
+        }
+        found
+    }
+
+    fn open(&self) -> StoreResult<Connection> {
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let conn = Connection::open_with_flags(&self.db, flags)?;
+        // A reader waits for nothing in WAL mode but a moment of recovery after a crash.
+        conn.busy_timeout(Duration::from_secs(5))?;
+        Ok(conn)
+    }
+}
+
+/// One key's record on `conn` (the writer's, inside its transaction, or a reader's).
+pub fn read_record(
+    conn: &Connection,
+    cipher: Option<&Cipher>,
+    id: &ScopedKey,
+) -> StoreResult<Option<KeyRecord>> {
+    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!(
+            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ?1 AND scope = ?2 AND key = ?3"
+        )
+    });
+    let mut stmt = conn.prepare_cached(&SQL)?;
+    let mut rows = stmt.query(params![id.upstream, id.scope, id.key])?;
+    match rows.next()? {
+        Some(row) => Ok(Some(rows::key_record(&Lite(row), cipher)?)),
+        None => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(key: &str) -> ScopedKey {
+        ScopedKey {
+            upstream: "api".into(),
+            scope: "s".into(),
+            key: key.into(),
+        }
+    }
+
+    /// Each read sees the latest commit, and no pooled connection keeps a snapshot open after
+    /// its read: one that did would read stale records and keep checkpoints from ever
+    /// emptying the WAL.
+    #[tokio::test]
+    async fn reads_see_each_commit_and_hold_no_snapshot() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        let url = format!("sqlite://{}", db.display());
+        let store = SqliteStore::open(&url, Duration::from_secs(30), false, None)
+            .await
+            .unwrap();
+        assert!(store.get(&id("a")).await.unwrap().is_none());
+        let reservation = Reservation {
+            id: id("a"),
+            fingerprint: "fp".into(),
+            route: "r".into(),
+            entities: Vec::new(),
+            owner: "me".into(),
+            lease: Duration::from_secs(30),
+            take_unknown: false,
+        };
+        assert!(matches!(
+            store.reserve(reservation).await.unwrap(),
+            Reserved::Owned { .. }
+        ));
+        let read = store.get(&id("a")).await.unwrap().expect("seen at once");
+        assert_eq!(read.state, KeyState::InFlight);
+        // Every frame can be checkpointed and the WAL truncated: no reader pins a snapshot.
+        let other = Connection::open(&db).unwrap();
+        let (busy, _, _): (i64, i64, i64) = other
+            .query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })
+            .unwrap();
+        assert_eq!(busy, 0, "a pooled reader kept its read transaction open");
+        store.close().await;
+    }
+}
