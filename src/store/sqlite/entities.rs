@@ -77,13 +77,9 @@ pub fn reset_version(conn: &Connection, entity: &str, now: i64) -> StoreResult<u
 #[async_trait]
 impl EntityStates for SqliteStore {
     async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
-        let rows = sqlx::query(
-            &format!("SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE entity IN (SELECT value FROM json_each(?))"),
-        )
-        .bind(encode_entities(entities))
-        .fetch_all(&self.reads)
-        .await?;
-        rows.iter().map(rows::entity_state).collect()
+        // Before every write of a route with version or claim checks: on this thread (see
+        // [`super::reader`]).
+        self.reader.entity_states(entities)
     }
     async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
         let entity = entity.to_owned();

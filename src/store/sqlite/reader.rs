@@ -1,11 +1,13 @@
-//! The key look-up, run on the caller's own thread.
+//! The reads of the request path — a key's record, the entities' states — run on the caller's
+//! own thread.
 //!
 //! Every request with an entity, a precheck or `in_flight = "reject"` reads its key before it
-//! takes a lock, and so does every replay the replay cache misses. Through the sqlx pool such a
+//! takes a lock, so does every replay the replay cache misses, and a route with version or
+//! claim checks reads its entities' states before each write. Through the sqlx pool such a
 //! read was handed to the connection's worker thread and its answer handed back: two wake-ups
 //! between threads per read (on this project's VM, a wake-up across cores is a host round
-//! trip), with eight worker threads woken in turn. Here the caller runs the one indexed
-//! `SELECT` itself on a pooled `rusqlite` connection: an index look-up of a local file, a few
+//! trip), with eight worker threads woken in turn. Here the caller runs the indexed `SELECT`
+//! itself on a pooled `rusqlite` connection: an index look-up of a local file, a few
 //! microseconds when its pages are in the page cache (as the hot part of the store is). A read
 //! of pages that are not (a cold start on a slow disk) holds the calling worker for that read,
 //! as a page fault would; nothing in it waits on the writer, since WAL readers read a snapshot.
@@ -39,20 +41,43 @@ impl Reader {
         cipher: Option<&Cipher>,
         id: &ScopedKey,
     ) -> StoreResult<Option<KeyRecord>> {
+        self.read(|conn| read_record(conn, cipher, id))
+    }
+
+    /// The stored states of these entities (those with none are left out), read on this
+    /// thread: what a route's version and claim checks read before every write.
+    pub fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
+        static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+            format!("SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE entity IN (SELECT value FROM json_each(?1))")
+        });
+        self.read(|conn| {
+            let mut stmt = conn.prepare_cached(&SQL)?;
+            let mut rows = stmt.query(params![encode_entities(entities)])?;
+            let mut out = Vec::new();
+            while let Some(row) = rows.next()? {
+                out.push(rows::entity_state(&Lite(row))?);
+            }
+            Ok(out)
+        })
+    }
+
+    /// Runs `f` on an idle connection (or a new one), then keeps the connection for the next
+    /// read.
+    fn read<T>(&self, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
         let taken = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
         let conn = match taken {
             Some(conn) => conn,
             None => self.open()?,
         };
-        let found = read_record(&conn, cipher, id);
+        let out = f(&conn);
         // A connection that failed a read is dropped, not pooled: the next read opens another.
-        if found.is_ok() {
+        if out.is_ok() {
             let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
             if idle.len() < KEEP {
                 idle.push(conn);
             }
         }
-        found
+        out
     }
 
     fn open(&self) -> StoreResult<Connection> {
