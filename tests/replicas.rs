@@ -174,15 +174,10 @@ async fn twenty_identical_requests_over_three_replicas_forward_once() {
 /// the 30 s lock timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_retry_waiting_on_another_replica_wakes_at_the_outcome() {
-    let Some(Cluster {
-        pg: _pg,
-        upstream,
-        _dir,
-        ps,
-    }) = cluster(2, "30s", RecordingUpstream::builder().hold()).await
-    else {
+    let Some(c) = cluster(2, "30s", RecordingUpstream::builder().hold()).await else {
         return;
     };
+    let (upstream, ps) = (&c.upstream, &c.ps);
     let send = |url: String| {
         tokio::spawn(async move {
             let h = [("x-delivery-id", "delivery-w")];

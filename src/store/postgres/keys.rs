@@ -21,6 +21,24 @@ pub(super) async fn record(
     Ok(clock.records(row.as_slice(), cipher)?.pop())
 }
 
+/// The record of `$1`–`$3` while epoch `$4` holds it in flight: what the holder's renewals and
+/// a waiter's watch may change.
+const IN_FLIGHT_AT: &str =
+    "upstream = $1 AND scope = $2 AND key = $3 AND state = 'in_flight' AND epoch = $4";
+
+/// `sql` (which names the record by [`IN_FLIGHT_AT`]) with the key and epoch bound.
+fn in_flight_at<'q>(
+    sql: &'q str,
+    id: &'q ScopedKey,
+    epoch: i64,
+) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sql)
+        .bind(&id.upstream)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .bind(epoch)
+}
+
 #[async_trait]
 impl Keys for PgStore {
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
@@ -51,17 +69,11 @@ impl Keys for PgStore {
         Ok(owned)
     }
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
-        let res = sqlx::query(&format!(
-            "UPDATE idem_keys SET lease_until = {NOW} + $1 \
-             WHERE upstream = $2 AND scope = $3 AND key = $4 AND state = 'in_flight' AND epoch = $5"
-        ))
-        .bind(lease_ms(lease))
-        .bind(&id.upstream)
-        .bind(&id.scope)
-        .bind(&id.key)
-        .bind(epoch)
-        .execute(&self.pool)
-        .await?;
+        let sql = format!("UPDATE idem_keys SET lease_until = {NOW} + $5 WHERE {IN_FLIGHT_AT}");
+        let res = in_flight_at(&sql, id, epoch)
+            .bind(lease_ms(lease))
+            .execute(&self.pool)
+            .await?;
         Ok(res.rows_affected() == 1)
     }
     fn subscribe_key(&self, id: &ScopedKey) -> Option<tokio::sync::watch::Receiver<u64>> {
@@ -72,16 +84,8 @@ impl Keys for PgStore {
     /// update waits for an outcome being stored and then finds it settled (`false`: read the
     /// record again); an outcome stored after it sees the mark.
     async fn watch_key(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool> {
-        let res = sqlx::query(
-            "UPDATE idem_keys SET watched = true \
-             WHERE upstream = $1 AND scope = $2 AND key = $3 AND state = 'in_flight' AND epoch = $4",
-        )
-        .bind(&id.upstream)
-        .bind(&id.scope)
-        .bind(&id.key)
-        .bind(epoch)
-        .execute(&self.pool)
-        .await?;
+        let sql = format!("UPDATE idem_keys SET watched = true WHERE {IN_FLIGHT_AT}");
+        let res = in_flight_at(&sql, id, epoch).execute(&self.pool).await?;
         Ok(res.rows_affected() == 1)
     }
     async fn release_key(&self, key: &str) -> StoreResult<u64> {
