@@ -26,8 +26,8 @@
 //! - [`store`]: the durable store: four small interfaces by concern (keys, entity locks,
 //!   entity states, audit), SQLite (one process; a writer thread with group commit, its
 //!   fsync pipelined on a thread of its own: `store::sqlite::durable`, each commit's WAL
-//!   frames written in one call: `store::sqlite::walbuf`, a key's look-up on the caller's
-//!   thread: `store::sqlite::reader`) and PostgreSQL (replicas,
+//!   frames written in one call: `store::sqlite::walbuf`, the request path's reads on the
+//!   caller's thread: `store::sqlite::reader`) and PostgreSQL (replicas,
 //!   leases, NOTIFY) backends, the replay cache as a layer in front of either (which also
 //!   holds answers given before their commit, `store::settling`), and stored answers sealed
 //!   at rest (`store::seal`, AES-256-GCM) when an encryption key is set.

@@ -78,8 +78,16 @@ pub fn reset_version(conn: &Connection, entity: &str, now: i64) -> StoreResult<u
 impl EntityStates for SqliteStore {
     async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
         // Before every write of a route with version or claim checks: on this thread (see
-        // [`super::reader`]).
-        self.reader.entity_states(entities)
+        // [`super::reader`]), or through the pool when SQLite is busy.
+        match self.reader.entity_states(entities) {
+            Err(e) if super::reader::is_missed(&e) => {}
+            states => return states,
+        }
+        let rows = sqlx::query(&super::reader::ENTITIES_SQL)
+            .bind(encode_entities(entities))
+            .fetch_all(&self.reads)
+            .await?;
+        rows.iter().map(rows::entity_state).collect()
     }
     async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
         let entity = entity.to_owned();

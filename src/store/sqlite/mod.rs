@@ -35,7 +35,8 @@ use super::rows::{
 
 pub struct SqliteStore {
     reads: SqlitePool,
-    /// The key look-up of the request path, on the caller's thread (see [`reader`]).
+    /// The request path's reads (a key's record, entities' states), on the caller's thread
+    /// (see [`reader`]).
     reader: reader::Reader,
     writer: Arc<Writer>,
     /// Held for the life of a `serve` process: the exclusive lock on `<db>.lock`.

@@ -47,11 +47,8 @@ impl Reader {
     /// The stored states of these entities (those with none are left out), read on this
     /// thread: what a route's version and claim checks read before every write.
     pub fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
-        static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-            format!("SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE entity IN (SELECT value FROM json_each(?1))")
-        });
         self.read(|conn| {
-            let mut stmt = conn.prepare_cached(&SQL)?;
+            let mut stmt = conn.prepare_cached(&ENTITIES_SQL)?;
             let mut rows = stmt.query(params![encode_entities(entities)])?;
             let mut out = Vec::new();
             while let Some(row) = rows.next()? {
@@ -83,10 +80,35 @@ impl Reader {
     fn open(&self) -> StoreResult<Connection> {
         let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
         let conn = Connection::open_with_flags(&self.db, flags)?;
-        // A reader waits for nothing in WAL mode but a moment of recovery after a crash.
-        conn.busy_timeout(Duration::from_secs(5))?;
+        // A WAL reader waits for nothing the writer does; only another process's recovery of
+        // the WAL (a CLI command opening the store after a crash) makes it busy. It must not
+        // hold a tokio worker for that: past this, the read fails here and the caller reads
+        // through the pool instead (see [`is_missed`]).
+        conn.busy_timeout(BUSY_FOR)?;
         Ok(conn)
     }
+}
+
+/// The longest an inline read waits for a lock before it is handed to the pool.
+const BUSY_FOR: Duration = Duration::from_millis(20);
+
+/// A key's record by its three columns.
+pub static KEY_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!("SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ?1 AND scope = ?2 AND key = ?3")
+});
+
+/// The states of the entities named in a JSON array.
+pub static ENTITIES_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE entity IN (SELECT value FROM json_each(?1))"
+    )
+});
+
+/// Whether an inline read failed for want of SQLite (busy past [`BUSY_FOR`], a connection
+/// that cannot open): then it is read again through the pool, which waits off the worker
+/// threads. A record that cannot be decoded or decrypted fails either way.
+pub fn is_missed(e: &StoreError) -> bool {
+    matches!(e, StoreError::Unavailable(_))
 }
 
 /// One key's record on `conn` (the writer's, inside its transaction, or a reader's).
@@ -95,12 +117,7 @@ pub fn read_record(
     cipher: Option<&Cipher>,
     id: &ScopedKey,
 ) -> StoreResult<Option<KeyRecord>> {
-    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-        format!(
-            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE upstream = ?1 AND scope = ?2 AND key = ?3"
-        )
-    });
-    let mut stmt = conn.prepare_cached(&SQL)?;
+    let mut stmt = conn.prepare_cached(&KEY_SQL)?;
     let mut rows = stmt.query(params![id.upstream, id.scope, id.key])?;
     match rows.next()? {
         Some(row) => Ok(Some(rows::key_record(&Lite(row), cipher)?)),
@@ -155,6 +172,39 @@ mod tests {
             })
             .unwrap();
         assert_eq!(busy, 0, "a pooled reader kept its read transaction open");
+        store.close().await;
+    }
+
+    /// A read this thread cannot make (SQLite busy past `BUSY_FOR`, here a file it cannot
+    /// open) is made through the pool, never failed or answered empty.
+    #[tokio::test]
+    async fn a_read_the_thread_cannot_make_goes_through_the_pool() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("s.db").display());
+        let mut store = SqliteStore::open(&url, Duration::from_secs(30), false, None)
+            .await
+            .unwrap();
+        let reservation = Reservation {
+            id: id("b"),
+            fingerprint: "fp".into(),
+            route: "r".into(),
+            entities: vec!["customer:1".into()],
+            owner: "me".into(),
+            lease: Duration::from_secs(30),
+            take_unknown: false,
+        };
+        store.reserve(reservation).await.unwrap();
+        store.reader = Reader::new(&dir.path().join("missing").join("s.db"));
+        let e = store.reader.record(None, &id("b")).unwrap_err();
+        assert!(is_missed(&e), "{e}");
+        let read = store
+            .get(&id("b"))
+            .await
+            .unwrap()
+            .expect("read through the pool");
+        assert_eq!(read.state, KeyState::InFlight);
+        let states = store.entity_states(&["customer:1".into()]).await.unwrap();
+        assert!(states.is_empty(), "no version or claim stored yet");
         store.close().await;
     }
 }
