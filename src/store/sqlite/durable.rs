@@ -13,7 +13,7 @@
 //! recovery replays every commit whose frames reached the disk. `NORMAL` keeps the database
 //! itself safe from corruption on power loss (SQLite syncs the WAL before each checkpoint and
 //! the database after it). What changes is what *other readers* may see: a commit is visible
-//! to the read pool up to one `fdatasync` before it is durable, so a power loss (not a process
+//! to readers up to one `fdatasync` before it is durable, so a power loss (not a process
 //! crash: the OS still holds those writes) can lose a completion that a concurrent retry was
 //! already replayed. That retry's key is then `unknown` after the restart, never forwarded
 //! twice: the reservation was durable before the forward (`docs/operations.md`). Writes whose
