@@ -128,6 +128,7 @@ label = "" if runs == 1 else f" (median of {runs} runs)"
 print(f"\n| workload{label} | nginx proxy_pass | idemproxy | goal |\n|---|---|---|---|")
 for name, key, goal in ((f"replay, {conn} connections", "replay", ">= 1.5x nginx"),
                         (f"first write, {conn} connections, SQLite", "first", ">= 0.5x nginx"),
+                        (f"first write + entity lock, {conn} connections, SQLite", "entity", "(none)"),
                         (f"first write, {conn} connections, PostgreSQL", "pgfirst", ">= 0.3x nginx")):
     vals = [r(key, i) for i in each]
     ratios = [v / b if v is not None else None for v, b in zip(vals, bases)]
