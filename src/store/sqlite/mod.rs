@@ -5,7 +5,8 @@
 //! `COMMIT` is on disk ([`durable`]: the `fsync` runs on a thread of its own, beside the next
 //! batch) — so a reservation is durable before anything is forwarded, yet many concurrent
 //! first writes share one fsync instead of paying one each. Reads run beside the writer (WAL):
-//! a key's look-up on the caller's own thread ([`reader`]), everything else on a sqlx pool.
+//! the request path's (a key's record, entities' states) on the caller's own thread
+//! ([`reader`]), the operator's on a sqlx pool.
 //!
 //! SQLite serves one `serve` process: with `exclusive`, the store takes an OS lock on
 //! `<db>.lock`, so a second `serve` on the same file refuses to start, and any record still
