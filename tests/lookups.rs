@@ -11,11 +11,7 @@ use idemproxy::store::{self, Finish, Reservation, Reserved, ScopedKey, StoredRes
 use std::time::Duration;
 
 fn id(key: &str) -> ScopedKey {
-    ScopedKey {
-        upstream: "api".into(),
-        scope: "s1".into(),
-        key: key.into(),
-    }
+    ScopedKey::new("api", "s1", key)
 }
 
 /// Sends `n` copies of one request at once; returns the statuses (and error types) of those

@@ -252,11 +252,7 @@ async fn credential_scopes_are_keyed_and_an_upgrade_keeps_old_keys() {
         .expect("open the store");
         let mut headers = http::HeaderMap::new();
         headers.insert("authorization", "Bearer old".parse().expect("header"));
-        let id = ScopedKey {
-            upstream: "api".into(),
-            scope: idemproxy::key::legacy_scope(&headers, &[]),
-            key: "k-old".into(),
-        };
+        let id = ScopedKey::new("api", idemproxy::key::legacy_scope(&headers, &[]), "k-old");
         let fingerprint = fingerprint_of(&dir, &upstream).await;
         let reserved = store
             .reserve(Reservation {

@@ -12,11 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 fn id(key: &str) -> ScopedKey {
-    ScopedKey {
-        upstream: "api".into(),
-        scope: "s1".into(),
-        key: key.into(),
-    }
+    ScopedKey::new("api", "s1", key)
 }
 
 fn reservation(key: &str, fp: &str, lease: Duration, take_unknown: bool) -> Reservation {
@@ -224,7 +220,7 @@ async fn suite(s: Arc<dyn Store>) {
 
     // Scopes are separate records of one key.
     let mut other = reservation("k1", "fp", LONG, false);
-    other.id.scope = "s2".into();
+    other.id = other.id.with_scope("s2");
     owned(s.reserve(other).await.unwrap());
     assert_eq!(s.find_key("k1").await.unwrap().len(), 2);
 

@@ -15,11 +15,7 @@ use std::time::Duration;
 const LONG: Duration = Duration::from_secs(60);
 
 fn id(scope: &str, key: &str) -> ScopedKey {
-    ScopedKey {
-        upstream: "api".into(),
-        scope: scope.into(),
-        key: key.into(),
-    }
+    ScopedKey::new("api", scope, key)
 }
 
 /// Reserves and completes `key` under `scope`, setting `version` on `entities`.

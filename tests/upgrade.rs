@@ -12,11 +12,7 @@ use std::time::Duration;
 const BEFORE: i64 = 9;
 
 fn id(key: &str) -> ScopedKey {
-    ScopedKey {
-        upstream: "api".into(),
-        scope: "k1:scope".into(),
-        key: key.into(),
-    }
+    ScopedKey::new("api", "k1:scope", key)
 }
 
 #[tokio::test]

@@ -112,11 +112,7 @@ mod tests {
             entity: entity.into(),
             version,
             claim: claim.map(|(k, until)| Claim {
-                owner: ScopedKey {
-                    upstream: "u".into(),
-                    scope: "s".into(),
-                    key: k.into(),
-                },
+                owner: ScopedKey::new("u", "s", k),
                 until,
             }),
             updated_at: 0,

@@ -237,10 +237,7 @@ async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<Option<KeyRecord>> {
     let Some((scope, uncovered)) = ctx.legacy_scope.clone() else {
         return Ok(None);
     };
-    let old = ScopedKey {
-        scope,
-        ..ctx.p.id.clone()
-    };
+    let old = ctx.p.id.with_scope(scope);
     let Some(record) = get(ctx, &old).await? else {
         return Ok(None);
     };

@@ -320,11 +320,11 @@ pub fn prepare(
         None => None,
         Some(rc) => Some(reconcile_read(rc, &view, &key)?),
     };
-    let id = ScopedKey {
-        upstream: upstream.name.clone(),
-        scope: scoper.scope(input.headers, &upstream.scope_headers),
-        key: key.clone(),
-    };
+    let id = ScopedKey::new(
+        upstream.name.clone(),
+        scoper.scope(input.headers, &upstream.scope_headers),
+        key.clone(),
+    );
     // Entity locks, versions and claims belong to the caller's credentials unless the
     // upstream shares them: another tenant's contact 42 is not ours.
     let entities = if upstream.share_entities {

@@ -354,11 +354,7 @@ mod tests {
     use bytes::Bytes;
 
     fn id(k: &str) -> ScopedKey {
-        ScopedKey {
-            upstream: "u".into(),
-            scope: "s".into(),
-            key: k.into(),
-        }
+        ScopedKey::new("u", "s", k)
     }
 
     fn resp() -> Arc<StoredResponse> {

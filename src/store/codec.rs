@@ -1,17 +1,17 @@
 //! Compact encodings for what the store keeps as blobs/text: headers and entity lists.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::Bytes;
 
 /// Headers as `name: value\r\n` lines (header values cannot contain CR or LF).
 pub fn encode_headers(headers: &[(String, Bytes)]) -> Vec<u8> {
-    let mut out = BytesMut::with_capacity(headers.iter().map(|(n, v)| n.len() + v.len() + 4).sum());
+    let mut out = Vec::with_capacity(headers.iter().map(|(n, v)| n.len() + v.len() + 4).sum());
     for (n, v) in headers {
-        out.put_slice(n.as_bytes());
-        out.put_slice(b": ");
-        out.put_slice(v);
-        out.put_slice(b"\r\n");
+        out.extend_from_slice(n.as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(v);
+        out.extend_from_slice(b"\r\n");
     }
-    out.to_vec()
+    out
 }
 
 pub fn decode_headers(raw: &[u8]) -> Vec<(String, Bytes)> {

@@ -39,16 +39,46 @@ pub fn after_ms(d: Duration) -> i64 {
     now_ms().saturating_add(d.as_millis() as i64)
 }
 
-/// The identity of a stored key.
+/// The identity of a stored key, shared: a request's key is held by its slot, the replay
+/// cache, the writer's jobs and the audit trail at once, and each of those takes a reference,
+/// not three strings of its own.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
-pub struct ScopedKey {
+pub struct ScopedKey(std::sync::Arc<KeyParts>);
+
+/// What names a stored key (see [`ScopedKey`]).
+#[derive(Debug, PartialEq, Eq, Hash, Default)]
+pub struct KeyParts {
     pub upstream: String,
     /// Hex SHA-256 of the credential headers.
     pub scope: String,
     pub key: String,
 }
 
+impl std::ops::Deref for ScopedKey {
+    type Target = KeyParts;
+    fn deref(&self) -> &KeyParts {
+        &self.0
+    }
+}
+
 impl ScopedKey {
+    pub fn new(
+        upstream: impl Into<String>,
+        scope: impl Into<String>,
+        key: impl Into<String>,
+    ) -> ScopedKey {
+        ScopedKey(std::sync::Arc::new(KeyParts {
+            upstream: upstream.into(),
+            scope: scope.into(),
+            key: key.into(),
+        }))
+    }
+
+    /// The same upstream and key under another credential scope.
+    pub fn with_scope(&self, scope: impl Into<String>) -> ScopedKey {
+        ScopedKey::new(self.upstream.clone(), scope, self.key.clone())
+    }
+
     /// `prefix`, then upstream, scope and key on lines of their own: the key as one name (a
     /// lock's, a notification topic's). Built by hand, not with `format!`: every request
     /// names its key once or twice.

@@ -106,11 +106,7 @@ mod tests {
     /// key`, see the outcome statement) is the topic its waiters subscribe to.
     #[test]
     fn a_key_topic_is_what_the_notification_carries() {
-        let id = crate::store::ScopedKey {
-            upstream: "api".into(),
-            scope: "k1:00ff".into(),
-            key: "order-1".into(),
-        };
+        let id = crate::store::ScopedKey::new("api", "k1:00ff", "order-1");
         assert_eq!(key_topic(&id), "k:api\nk1:00ff\norder-1");
         assert_eq!(id.joined(""), "api\nk1:00ff\norder-1");
     }

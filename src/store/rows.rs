@@ -44,11 +44,7 @@ where
 /// [`StoredAnswer`]).
 pub fn key_record(row: &impl Cols, cipher: Option<&Cipher>) -> StoreResult<KeyRecord> {
     let state = row.text("state")?;
-    let id = ScopedKey {
-        upstream: row.text("upstream")?,
-        scope: row.text("scope")?,
-        key: row.text("key")?,
-    };
+    let id = ScopedKey::new(row.text("upstream")?, row.text("scope")?, row.text("key")?);
     let epoch = row.int("epoch")?;
     let enc_key = row.opt_text("enc_key")?;
     let response = match row.opt_int("status")? {
@@ -86,11 +82,11 @@ pub fn key_record(row: &impl Cols, cipher: Option<&Cipher>) -> StoreResult<KeyRe
 pub fn entity_state(row: &impl Cols) -> StoreResult<EntityState> {
     let claim = match row.opt_text("claim_key")? {
         Some(key) => Some(Claim {
-            owner: ScopedKey {
-                upstream: row.opt_text("claim_upstream")?.unwrap_or_default(),
-                scope: row.opt_text("claim_scope")?.unwrap_or_default(),
+            owner: ScopedKey::new(
+                row.opt_text("claim_upstream")?.unwrap_or_default(),
+                row.opt_text("claim_scope")?.unwrap_or_default(),
                 key,
-            },
+            ),
             until: row.opt_int("claim_until")?.unwrap_or(0),
         }),
         None => None,

@@ -258,11 +258,7 @@ mod tests {
     use super::*;
 
     fn id(key: &str) -> ScopedKey {
-        ScopedKey {
-            upstream: "api".into(),
-            scope: "k1:abc".into(),
-            key: key.into(),
-        }
+        ScopedKey::new("api", "k1:abc", key)
     }
 
     #[test]

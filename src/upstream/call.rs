@@ -44,28 +44,50 @@ pub async fn call(client: &UpstreamClient, req: Request<ProxyBody>, timeout: Dur
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok());
-        let mut head = StoredResponse {
-            status: parts.status.as_u16(),
-            headers: headers
-                .iter()
-                // The length is the body's; hyper recomputes it on every (re)play.
-                .filter(|(n, _)| *n != header::CONTENT_LENGTH)
-                .map(|(n, v)| (n.as_str().to_owned(), Bytes::copy_from_slice(v.as_bytes())))
-                .collect(),
-            body: Bytes::new(),
-        };
+        // The header values and the body are copied into one buffer, which every value and the
+        // body are slices of: one allocation for the whole answer instead of one per value,
+        // shared by the replay cache, the store and the response alike. Copied, not sliced out
+        // of hyper's read buffer, which a cached answer would otherwise keep alive whole.
+        let mut names = Vec::with_capacity(headers.len());
+        let mut ends = Vec::with_capacity(headers.len());
+        let values: usize = headers.iter().map(|(_, v)| v.len()).sum();
         let max = client.upstream.max_answer;
-        let mut buf = BytesMut::new();
+        // Room for a declared length that will be read, never for one over `max_answer`.
+        let expected = declared.filter(|&n| n <= max as u64).unwrap_or(0) as usize;
+        let mut buf = BytesMut::with_capacity(values + expected);
+        // The length is the body's; hyper recomputes it on every (re)play.
+        for (n, v) in headers.iter().filter(|(n, _)| *n != header::CONTENT_LENGTH) {
+            names.push(n.as_str().to_owned());
+            buf.extend_from_slice(v.as_bytes());
+            ends.push(buf.len());
+        }
+        let body_at = buf.len();
+        let head = |all: &Bytes| StoredResponse {
+            status: parts.status.as_u16(),
+            headers: names
+                .iter()
+                .zip(&ends)
+                .scan(0, |start, (n, &end)| {
+                    let value = all.slice(*start..end);
+                    *start = end;
+                    Some((n.clone(), value))
+                })
+                .collect(),
+            body: all.slice(body_at..),
+        };
         loop {
-            if buf.len() > max || declared.is_some_and(|n| n > max as u64) {
+            if buf.len() - body_at > max || declared.is_some_and(|n| n > max as u64) {
+                let all = buf.freeze();
+                let mut head = head(&all);
                 // Streamed on to the first caller, never buffered whole: keep the length.
                 if let Some(n) = declared {
                     head.headers
                         .push(("content-length".into(), Bytes::from(n.to_string())));
                 }
+                let prefix = std::mem::take(&mut head.body);
                 return Outcome::Oversize {
                     head,
-                    body: PrefixedBody::new(buf.freeze(), body, deadline),
+                    body: PrefixedBody::new(prefix, body, deadline),
                 };
             }
             match body.frame().await {
@@ -83,8 +105,7 @@ pub async fn call(client: &UpstreamClient, req: Request<ProxyBody>, timeout: Dur
                 }
             }
         }
-        head.body = buf.freeze();
-        Outcome::Answer(head)
+        Outcome::Answer(head(&buf.freeze()))
     };
     match tokio::time::timeout(timeout, fut).await {
         Ok(outcome) => outcome,

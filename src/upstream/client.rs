@@ -33,6 +33,10 @@ pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
 /// A client for one upstream.
 pub struct UpstreamClient {
     pub upstream: Arc<Upstream>,
+    /// The `Host` of a plain-HTTP upstream, made once: hyper-util would format it for every
+    /// request. (Over TLS the connection may turn out HTTP/2, which takes `:authority`
+    /// instead, so hyper-util still decides there.)
+    host: Option<http::HeaderValue>,
     client: Client<BoundedConnect<HttpsConnector<HttpConnector>>, ProxyBody>,
 }
 
@@ -119,7 +123,11 @@ impl UpstreamClient {
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(60))
             .build(https);
-        Ok(UpstreamClient { upstream, client })
+        Ok(UpstreamClient {
+            host: plain_http_host(&upstream),
+            upstream,
+            client,
+        })
     }
 
     /// The absolute upstream URI for an upstream-relative path and query.
@@ -143,8 +151,25 @@ impl UpstreamClient {
                 .entry(header::AUTHORIZATION)
                 .or_insert_with(|| auth.clone());
         }
+        if let Some(host) = &self.host {
+            req.headers_mut()
+                .entry(header::HOST)
+                .or_insert_with(|| host.clone());
+        }
         self.client.request(req).await
     }
+}
+
+/// What hyper-util sends as `Host` to a plain-HTTP upstream: its host, and its port unless 80.
+fn plain_http_host(u: &Upstream) -> Option<http::HeaderValue> {
+    if u.scheme != http::uri::Scheme::HTTP {
+        return None;
+    }
+    let host = match u.authority.port_u16() {
+        Some(port) if port != 80 => format!("{}:{port}", u.authority.host()),
+        _ => u.authority.host().to_owned(),
+    };
+    http::HeaderValue::from_str(&host).ok()
 }
 
 /// The system's trust roots plus the webpki roots, loaded once per process.

@@ -130,11 +130,7 @@ mod tests {
     use super::*;
 
     fn id(key: &str) -> ScopedKey {
-        ScopedKey {
-            upstream: "api".into(),
-            scope: "s".into(),
-            key: key.into(),
-        }
+        ScopedKey::new("api", "s", key)
     }
 
     /// Each read sees the latest commit, and no pooled connection keeps a snapshot open after
