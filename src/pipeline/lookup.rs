@@ -10,7 +10,6 @@ use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::store::{now_ms, KeyRecord, KeyState, ScopedKey, StoredResponse};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// What the look-up found.
@@ -88,8 +87,6 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
                 Decision::Proceed { .. } => {}
             }
         }
-        // Subscribed before reading, so a completion in another replica cannot slip between.
-        ctx.woken = ctx.state.store.subscribe_key(&ctx.p.id);
         let record = match fresh.take() {
             Some(record) => record,
             None => get(ctx, &ctx.p.id).await?,
@@ -207,6 +204,10 @@ async fn wait_foreign(
         return Err(in_progress());
     }
     let store = &ctx.state.store;
+    // Subscribed before the watch, which reads the record again: a completion in another
+    // replica either sees the watch (and notifies us, subscribed by then) or came first (and
+    // the watch finds the key settled). Not before every read: most requests never wait.
+    let woken = store.subscribe_key(&ctx.p.id);
     if !store
         .watch_key(&ctx.p.id, epoch)
         .await
@@ -217,7 +218,6 @@ async fn wait_foreign(
     let _waiting = ctx.state.stats.wait();
     let lease_left = Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64 + 1);
     let wake = (Instant::now() + lease_left).min(deadline);
-    let woken: Option<watch::Receiver<u64>> = ctx.woken.take();
     match woken {
         Some(mut rx) => {
             tokio::select! {

@@ -44,7 +44,6 @@ use lock::StoreLeases;
 use prepare::{KeyPlan, Prepared};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// Runs a protected request through steps 1–7.
@@ -169,8 +168,6 @@ pub struct Ctx {
     slot: Option<LockGuard>,
     /// Step 2: when this request stops waiting for keys and locks.
     deadline: Option<Instant>,
-    /// Step 2: interest in the key's changes, registered before it was read.
-    woken: Option<watch::Receiver<u64>>,
     /// Step 5, when another process had reserved the key: its record, for step 2 to decide.
     taken: Option<Box<KeyRecord>>,
     /// Step 2: take over an unknown outcome (the upstream dedupes by our key, or a reconcile).
@@ -209,7 +206,6 @@ impl Ctx {
             legacy_scope: None,
             slot: None,
             deadline: None,
-            woken: None,
             taken: None,
             take_unknown: false,
             reconcile_first: None,

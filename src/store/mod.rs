@@ -273,7 +273,8 @@ pub trait Keys: Send + Sync + 'static {
     /// Extends our lease while the upstream call runs; `false` when fenced off.
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool>;
     /// Interest in changes of a key owned by another process, registered before the caller
-    /// reads the key so no wake-up is lost. `None`: no other process can own keys (SQLite).
+    /// asks to watch it ([`Keys::watch_key`], which checks the record again) so no wake-up is
+    /// lost. `None`: no other process can own keys (SQLite).
     fn subscribe_key(&self, _id: &ScopedKey) -> Option<tokio::sync::watch::Receiver<u64>> {
         None
     }
