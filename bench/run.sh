@@ -66,9 +66,24 @@ ${STORE_EXTRA:-}" > "$WORK/pg.toml"
   HAVE_PG=1
 fi
 
+# The disk made quiet before each workload: PostgreSQL's dirty buffers written now (a
+# CHECKPOINT) and the kernel's writeback drained (sync). Without it, what one workload leaves
+# for later lands in another's window: PostgreSQL's checkpointer and the kernel write its
+# buffers out tens of seconds after its load, in the next run's SQLite first writes (the
+# second of three runs was the slowest in four of five sets; without PostgreSQL, no dip).
+# Each workload still pays for its own commits and fsyncs, inside its own window.
+settle() {
+  if [ "$HAVE_PG" = 1 ]; then
+    runuser -u postgres -- "$PG_BIN/psql" -q -h 127.0.0.1 -p "$PGPORT" -U postgres -d postgres \
+      -c CHECKPOINT >/dev/null 2>&1 || true
+  fi
+  sync
+}
+
 run() { # id label url script
   local id=$1; shift
   local out
+  settle
   out=$(wrk -t$THREADS -c"$CONN" -d"${DUR}s" --latency -s "$3" "$2")
   local rps p50 p99 errors
   rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
