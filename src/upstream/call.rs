@@ -48,43 +48,30 @@ pub async fn call(client: &UpstreamClient, req: Request<ProxyBody>, timeout: Dur
         // body are slices of: one allocation for the whole answer instead of one per value,
         // shared by the replay cache, the store and the response alike. Copied, not sliced out
         // of hyper's read buffer, which a cached answer would otherwise keep alive whole.
-        let mut names = Vec::with_capacity(headers.len());
-        let mut ends = Vec::with_capacity(headers.len());
         let values: usize = headers.iter().map(|(_, v)| v.len()).sum();
         let max = client.upstream.max_answer;
         // Room for a declared length that will be read, never for one over `max_answer`.
         let expected = declared.filter(|&n| n <= max as u64).unwrap_or(0) as usize;
         let mut buf = BytesMut::with_capacity(values + expected);
-        // The length is the body's; hyper recomputes it on every (re)play.
+        // Each header's name and where its value ends in `buf`. The length is the body's;
+        // hyper recomputes it on every (re)play.
+        let mut spans = Vec::with_capacity(headers.len());
         for (n, v) in headers.iter().filter(|(n, _)| *n != header::CONTENT_LENGTH) {
-            names.push(n.as_str().to_owned());
             buf.extend_from_slice(v.as_bytes());
-            ends.push(buf.len());
+            spans.push((n.as_str().to_owned(), buf.len()));
         }
-        let body_at = buf.len();
-        let head = |all: &Bytes| StoredResponse {
-            status: parts.status.as_u16(),
-            headers: names
-                .iter()
-                .zip(&ends)
-                .scan(0, |start, (n, &end)| {
-                    let value = all.slice(*start..end);
-                    *start = end;
-                    Some((n.clone(), value))
-                })
-                .collect(),
-            body: all.slice(body_at..),
-        };
+        let (status, body_at) = (parts.status.as_u16(), buf.len());
         loop {
             if buf.len() - body_at > max || declared.is_some_and(|n| n > max as u64) {
-                let all = buf.freeze();
-                let mut head = head(&all);
+                // The head gets buffers of its own: slices of `buf` would keep the body read
+                // so far (up to `max_answer`) alive as long as the head is kept.
+                let prefix = buf.split_off(body_at).freeze();
+                let mut head = assemble(status, spans, &Bytes::copy_from_slice(&buf), body_at);
                 // Streamed on to the first caller, never buffered whole: keep the length.
                 if let Some(n) = declared {
                     head.headers
                         .push(("content-length".into(), Bytes::from(n.to_string())));
                 }
-                let prefix = std::mem::take(&mut head.body);
                 return Outcome::Oversize {
                     head,
                     body: PrefixedBody::new(prefix, body, deadline),
@@ -105,11 +92,35 @@ pub async fn call(client: &UpstreamClient, req: Request<ProxyBody>, timeout: Dur
                 }
             }
         }
-        Outcome::Answer(head(&buf.freeze()))
+        Outcome::Answer(assemble(status, spans, &buf.freeze(), body_at))
     };
     match tokio::time::timeout(timeout, fut).await {
         Ok(outcome) => outcome,
         Err(_) => Outcome::Unknown(format!("no complete answer within {timeout:?}")),
+    }
+}
+
+/// The answer whose header values (each ending at its span's offset) and body (from
+/// `body_at`) are slices of `all`.
+fn assemble(
+    status: u16,
+    spans: Vec<(String, usize)>,
+    all: &Bytes,
+    body_at: usize,
+) -> StoredResponse {
+    let mut start = 0;
+    let headers = spans
+        .into_iter()
+        .map(|(name, end)| {
+            let value = all.slice(start..end);
+            start = end;
+            (name, value)
+        })
+        .collect();
+    StoredResponse {
+        status,
+        headers,
+        body: all.slice(body_at..),
     }
 }
 
