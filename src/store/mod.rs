@@ -39,9 +39,9 @@ pub fn after_ms(d: Duration) -> i64 {
     now_ms().saturating_add(d.as_millis() as i64)
 }
 
-/// The identity of a stored key, shared: a request's key is held by its slot, the replay
-/// cache, the writer's jobs and the audit trail at once, and each of those takes a reference,
-/// not three strings of its own.
+/// The identity of a stored key, shared: a request's key is held by its context, the replay
+/// cache's maps and the writer's jobs at once, and each of those takes a reference, not three
+/// strings of its own.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct ScopedKey(std::sync::Arc<KeyParts>);
 
