@@ -30,7 +30,8 @@
 //!   caller's thread: `store::sqlite::reader`) and PostgreSQL (replicas,
 //!   leases, NOTIFY) backends, the replay cache as a layer in front of either (which also
 //!   holds answers given before their commit, `store::settling`), and stored answers sealed
-//!   at rest (`store::seal`, AES-256-GCM) when an encryption key is set.
+//!   at rest (`store::seal`, AES-256-GCM) when an encryption key is set; a key's identity,
+//!   shared and hashed once, is `store::id`.
 //! - [`audit`]: the audit trail (batched, off the request path) and retention purging.
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
 //! - [`metrics`]: counters shared by the pipeline and the admin listener.

@@ -9,6 +9,7 @@ mod answer;
 pub mod cached;
 pub mod codec;
 mod error;
+mod id;
 pub mod notify;
 pub mod postgres;
 mod records;
@@ -22,6 +23,7 @@ pub use answer::{
     FinishColumns, SealedAnswer, StoredAnswer, StoredResponse, OMITTED_BODY, RECONCILED,
 };
 pub use error::{StoreError, StoreResult};
+pub use id::{KeyParts, ScopedKey};
 pub use records::{AuditRow, Claim, Effects, EntityState};
 
 use async_trait::async_trait;
@@ -37,64 +39,6 @@ pub fn now_ms() -> i64 {
 
 pub fn after_ms(d: Duration) -> i64 {
     now_ms().saturating_add(d.as_millis() as i64)
-}
-
-/// The identity of a stored key, shared: a request's key is held by its context, the replay
-/// cache's maps and the writer's jobs at once, and each of those takes a reference, not three
-/// strings of its own.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
-pub struct ScopedKey(std::sync::Arc<KeyParts>);
-
-/// What names a stored key (see [`ScopedKey`]).
-#[derive(Debug, PartialEq, Eq, Hash, Default)]
-pub struct KeyParts {
-    pub upstream: String,
-    /// Hex SHA-256 of the credential headers.
-    pub scope: String,
-    pub key: String,
-}
-
-impl std::ops::Deref for ScopedKey {
-    type Target = KeyParts;
-    fn deref(&self) -> &KeyParts {
-        &self.0
-    }
-}
-
-impl ScopedKey {
-    pub fn new(
-        upstream: impl Into<String>,
-        scope: impl Into<String>,
-        key: impl Into<String>,
-    ) -> ScopedKey {
-        ScopedKey(std::sync::Arc::new(KeyParts {
-            upstream: upstream.into(),
-            scope: scope.into(),
-            key: key.into(),
-        }))
-    }
-
-    /// The same upstream and key under another credential scope.
-    pub fn with_scope(&self, scope: impl Into<String>) -> ScopedKey {
-        ScopedKey::new(self.upstream.clone(), scope, self.key.clone())
-    }
-
-    /// `prefix`, then upstream, scope and key on lines of their own: the key as one name (a
-    /// lock's, a notification topic's). Built by hand, not with `format!`: every request
-    /// names its key once or twice.
-    pub fn joined(&self, prefix: &str) -> String {
-        let parts = [self.upstream.as_str(), &self.scope, &self.key];
-        let mut out =
-            String::with_capacity(prefix.len() + parts.iter().map(|p| p.len() + 1).sum::<usize>());
-        out.push_str(prefix);
-        for (i, part) in parts.iter().enumerate() {
-            if i > 0 {
-                out.push('\n');
-            }
-            out.push_str(part);
-        }
-        out
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
