@@ -22,7 +22,7 @@ pub struct KeyParts {
     pub key: String,
 }
 
-/// The key of [`KeyParts::hash`]: random per process, so no caller can choose keys that
+/// The key of the parts' hash: random per process, so no caller can choose keys that
 /// collide (the maps add keys of their own on top).
 static KEY_HASH: std::sync::LazyLock<ahash::RandomState> =
     std::sync::LazyLock::new(ahash::RandomState::new);
