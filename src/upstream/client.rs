@@ -124,7 +124,7 @@ impl UpstreamClient {
             .pool_idle_timeout(Duration::from_secs(60))
             .build(https);
         Ok(UpstreamClient {
-            host: plain_http_host(&upstream),
+            host: plain_http_host(&upstream.scheme, &upstream.authority),
             upstream,
             client,
         })
@@ -161,13 +161,16 @@ impl UpstreamClient {
 }
 
 /// What hyper-util sends as `Host` to a plain-HTTP upstream: its host, and its port unless 80.
-fn plain_http_host(u: &Upstream) -> Option<http::HeaderValue> {
-    if u.scheme != http::uri::Scheme::HTTP {
+fn plain_http_host(
+    scheme: &http::uri::Scheme,
+    authority: &http::uri::Authority,
+) -> Option<http::HeaderValue> {
+    if *scheme != http::uri::Scheme::HTTP {
         return None;
     }
-    let host = match u.authority.port_u16() {
-        Some(port) if port != 80 => format!("{}:{port}", u.authority.host()),
-        _ => u.authority.host().to_owned(),
+    let host = match authority.port_u16() {
+        Some(port) if port != 80 => format!("{}:{port}", authority.host()),
+        _ => authority.host().to_owned(),
     };
     http::HeaderValue::from_str(&host).ok()
 }
@@ -244,5 +247,34 @@ mod tests {
         let h = request_headers(h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-end-to-end"));
+    }
+
+    /// The `Host` made once is what hyper-util would have sent: the host, its port unless 80,
+    /// never the URL's credentials; nothing over TLS, where hyper-util still decides.
+    #[test]
+    fn a_plain_http_upstream_gets_its_host_and_port() {
+        let host = |url: &str| {
+            let uri: Uri = url.parse().unwrap();
+            plain_http_host(uri.scheme().unwrap(), uri.authority().unwrap())
+                .map(|v| v.to_str().unwrap().to_owned())
+        };
+        assert_eq!(
+            host("http://127.0.0.1:8080/").as_deref(),
+            Some("127.0.0.1:8080")
+        );
+        assert_eq!(
+            host("http://api.example.com/").as_deref(),
+            Some("api.example.com")
+        );
+        assert_eq!(
+            host("http://api.example.com:80/").as_deref(),
+            Some("api.example.com")
+        );
+        assert_eq!(
+            host("http://user:pw@api.example.com:81/").as_deref(),
+            Some("api.example.com:81")
+        );
+        assert_eq!(host("http://[::1]:9000/").as_deref(), Some("[::1]:9000"));
+        assert_eq!(host("https://api.example.com/"), None);
     }
 }
