@@ -253,28 +253,21 @@ mod tests {
     /// never the URL's credentials; nothing over TLS, where hyper-util still decides.
     #[test]
     fn a_plain_http_upstream_gets_its_host_and_port() {
-        let host = |url: &str| {
+        let cases = [
+            ("http://127.0.0.1:8080/", Some("127.0.0.1:8080")),
+            ("http://api.example.com/", Some("api.example.com")),
+            ("http://api.example.com:80/", Some("api.example.com")),
+            (
+                "http://user:pw@api.example.com:81/",
+                Some("api.example.com:81"),
+            ),
+            ("http://[::1]:9000/", Some("[::1]:9000")),
+            ("https://api.example.com/", None),
+        ];
+        for (url, want) in cases {
             let uri: Uri = url.parse().unwrap();
-            plain_http_host(uri.scheme().unwrap(), uri.authority().unwrap())
-                .map(|v| v.to_str().unwrap().to_owned())
-        };
-        assert_eq!(
-            host("http://127.0.0.1:8080/").as_deref(),
-            Some("127.0.0.1:8080")
-        );
-        assert_eq!(
-            host("http://api.example.com/").as_deref(),
-            Some("api.example.com")
-        );
-        assert_eq!(
-            host("http://api.example.com:80/").as_deref(),
-            Some("api.example.com")
-        );
-        assert_eq!(
-            host("http://user:pw@api.example.com:81/").as_deref(),
-            Some("api.example.com:81")
-        );
-        assert_eq!(host("http://[::1]:9000/").as_deref(), Some("[::1]:9000"));
-        assert_eq!(host("https://api.example.com/"), None);
+            let got = plain_http_host(uri.scheme().unwrap(), uri.authority().unwrap());
+            assert_eq!(got.as_ref().map(|v| v.to_str().unwrap()), want, "{url}");
+        }
     }
 }
