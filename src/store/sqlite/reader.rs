@@ -133,6 +133,19 @@ mod tests {
         ScopedKey::new("api", "s", key)
     }
 
+    /// A first write's reservation of `key`, holding `entities`.
+    fn reservation(key: &str, entities: &[&str]) -> Reservation {
+        Reservation {
+            id: id(key),
+            fingerprint: "fp".into(),
+            route: "r".into(),
+            entities: entities.iter().map(|e| e.to_string()).collect(),
+            owner: "me".into(),
+            lease: Duration::from_secs(30),
+            take_unknown: false,
+        }
+    }
+
     /// Each read sees the latest commit, and no pooled connection keeps a snapshot open after
     /// its read: one that did would read stale records and keep checkpoints from ever
     /// emptying the WAL.
@@ -145,17 +158,8 @@ mod tests {
             .await
             .unwrap();
         assert!(store.get(&id("a")).await.unwrap().is_none());
-        let reservation = Reservation {
-            id: id("a"),
-            fingerprint: "fp".into(),
-            route: "r".into(),
-            entities: Vec::new(),
-            owner: "me".into(),
-            lease: Duration::from_secs(30),
-            take_unknown: false,
-        };
         assert!(matches!(
-            store.reserve(reservation).await.unwrap(),
+            store.reserve(reservation("a", &[])).await.unwrap(),
             Reserved::Owned { .. }
         ));
         let read = store.get(&id("a")).await.unwrap().expect("seen at once");
@@ -180,16 +184,10 @@ mod tests {
         let mut store = SqliteStore::open(&url, Duration::from_secs(30), false, None)
             .await
             .unwrap();
-        let reservation = Reservation {
-            id: id("b"),
-            fingerprint: "fp".into(),
-            route: "r".into(),
-            entities: vec!["customer:1".into()],
-            owner: "me".into(),
-            lease: Duration::from_secs(30),
-            take_unknown: false,
-        };
-        store.reserve(reservation).await.unwrap();
+        store
+            .reserve(reservation("b", &["customer:1"]))
+            .await
+            .unwrap();
         store.reader = Reader::new(&dir.path().join("missing").join("s.db"));
         let e = store.reader.record(None, &id("b")).unwrap_err();
         assert!(is_missed(&e), "{e}");
