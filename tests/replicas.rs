@@ -374,6 +374,73 @@ async fn postgres_stopped_fails_closed_then_recovers_without_a_restart() {
     assert_eq!(upstream.count_method("POST"), 2);
 }
 
+/// The store keeps a connection per batch in flight between batches (no round trip to hand it
+/// back to the pool per statement). When the server kills those connections, a write that
+/// meets one fails closed — `503`, nothing forwarded — and the dead connection is not used
+/// again: within a few writes every one succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn connections_the_database_killed_are_replaced_not_reused() {
+    let Some(Cluster {
+        pg,
+        upstream,
+        _dir,
+        ps,
+    }) = cluster(1, "30s", RecordingUpstream::builder()).await
+    else {
+        return;
+    };
+    let p = &ps[0];
+    let hook = |id: String| {
+        let url = p.url("/api/hooks");
+        async move {
+            let h = [("x-delivery-id", id.as_str())];
+            post_json(&url, None, &json!({"customer": "c"}), &h).await
+        }
+    };
+    hook("before".into()).await.assert_status(200);
+    assert_eq!(upstream.count(), 1);
+
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&pg.url)
+        .await
+        .expect("connect to the test database");
+    let killed: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(&mut admin)
+    .await
+    .expect("terminate the proxy's connections");
+    assert!(!killed.is_empty(), "the proxy had no connection to kill");
+
+    let mut statuses = Vec::new();
+    for i in 0..8 {
+        let r = hook(format!("after-{i}")).await;
+        if r.status != 200 {
+            r.assert_status(503);
+            assert_eq!(r.error_type(), Some("store_unavailable"));
+        }
+        statuses.push(r.status);
+    }
+    let failed = statuses.iter().filter(|&&s| s != 200).count();
+    // At most one failure per connection a batcher kept (two for reservations in flight).
+    assert!(
+        failed <= 2,
+        "dead connections were used again: {statuses:?}"
+    );
+    assert!(
+        statuses[4..].iter().all(|&s| s == 200),
+        "the store did not recover: {statuses:?}"
+    );
+    assert_eq!(
+        upstream.count(),
+        1 + statuses.iter().filter(|&&s| s == 200).count(),
+        "a write whose reservation failed was forwarded"
+    );
+    let again = hook("after-7".into()).await;
+    again.assert_status(200);
+    assert_eq!(again.replayed(), Some(true));
+}
+
 /// A contended store: the lease table is locked by another session while ten writes to one
 /// entity arrive on two replicas; every write waits in the store, then they go one at a time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

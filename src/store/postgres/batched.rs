@@ -13,7 +13,7 @@ pub(super) type Finishing = (ScopedKey, i64, FinishColumns);
 /// reserves (one statement per request woke a backend per request: most of PostgreSQL's CPU
 /// at 64 connections). `None` for a key with no record.
 pub(super) async fn get_many(
-    pool: &PgPool,
+    conn: &mut sqlx::PgConnection,
     clock: &Clock,
     cipher: Option<&Cipher>,
     ids: Vec<ScopedKey>,
@@ -29,7 +29,7 @@ pub(super) async fn get_many(
     .bind(col(|id| &id.upstream))
     .bind(col(|id| &id.scope))
     .bind(col(|id| &id.key))
-    .fetch_all(pool)
+    .fetch_all(&mut *conn)
     .await?;
     // One key may be asked for several times in a batch (concurrent retries, waiters woken
     // by one completion): each asker gets the record.
@@ -56,7 +56,7 @@ pub(super) async fn get_many(
 /// look reservable (released, past retention) are then taken with the locking upsert, which
 /// decides again; and so are the takeovers of unknown outcomes.
 pub(super) async fn reserve_many(
-    pool: &PgPool,
+    conn: &mut sqlx::PgConnection,
     clock: &Clock,
     cipher: Option<&Cipher>,
     rs: Vec<Reservation>,
@@ -65,13 +65,13 @@ pub(super) async fn reserve_many(
     // Each statement commits on its own: when a later one fails, the keys reserved before it
     // stay reserved, and their callers must hear so (answered with the error, they would
     // leave the keys in flight, then unknown, with nothing sent). The others get the error.
-    let done = rounds(pool, clock, cipher, &rs, &mut out).await;
+    let done = rounds(conn, clock, cipher, &rs, &mut out).await;
     let mut reserved = Vec::with_capacity(rs.len());
     for (r, got) in rs.iter().zip(out) {
         reserved.push(match (got, &done) {
             (Some(got), _) => Ok(got),
             (None, Err(e)) => Err(e.clone()),
-            (None, Ok(())) => existing(pool, clock, cipher, &r.id)
+            (None, Ok(())) => existing(conn, clock, cipher, &r.id)
                 .await
                 .map(|rec| Reserved::Existing(Box::new(rec))),
         });
@@ -81,7 +81,7 @@ pub(super) async fn reserve_many(
 
 /// The statements of [`reserve_many`], filling `out` as each commits.
 async fn rounds(
-    pool: &PgPool,
+    conn: &mut sqlx::PgConnection,
     clock: &Clock,
     cipher: Option<&Cipher>,
     rs: &[Reservation],
@@ -98,7 +98,7 @@ async fn rounds(
         let (takeovers, fresh): (Vec<usize>, Vec<usize>) =
             round.into_iter().partition(|&i| rs[i].take_unknown);
         let mut upserts = takeovers;
-        for (i, epoch) in insert(pool, rs, fresh.clone(), None).await? {
+        for (i, epoch) in insert(conn, rs, fresh.clone(), None).await? {
             out[i] = Some(Reserved::Owned { epoch });
         }
         let stood: Vec<usize> = fresh.into_iter().filter(|&i| out[i].is_none()).collect();
@@ -106,7 +106,7 @@ async fn rounds(
         let now = crate::store::now_ms();
         for (i, record) in stood
             .into_iter()
-            .zip(get_many(pool, clock, cipher, ids).await?)
+            .zip(get_many(conn, clock, cipher, ids).await?)
         {
             match record {
                 Some(r) if r.effective_state(now) != KeyState::Released => {
@@ -130,7 +130,7 @@ async fn rounds(
                 rules::RESERVE_SET,
                 rules::reservable(if take_unknown { "TRUE" } else { "FALSE" })
             );
-            for (i, epoch) in insert(pool, rs, group, Some(&conflict)).await? {
+            for (i, epoch) in insert(conn, rs, group, Some(&conflict)).await? {
                 out[i] = Some(Reserved::Owned { epoch });
             }
         }
@@ -142,7 +142,7 @@ async fn rounds(
 /// One multi-row reservation of `group` (indexes into `rs`): `ON CONFLICT DO NOTHING`, or the
 /// `conflict` action given. Returns the reserved ones with their epochs.
 async fn insert(
-    pool: &PgPool,
+    conn: &mut sqlx::PgConnection,
     rs: &[Reservation],
     mut group: Vec<usize>,
     conflict: Option<&str>,
@@ -182,7 +182,7 @@ async fn insert(
     .bind(entities)
     .bind(col(|r| &r.owner))
     .bind(leases)
-    .fetch_all(pool)
+    .fetch_all(&mut *conn)
     .await?;
     let index = by_id(group.iter().map(|&i| (i, &rs[i].id)));
     let mut owned = Vec::with_capacity(rows.len());
@@ -196,12 +196,12 @@ async fn insert(
 }
 
 async fn existing(
-    pool: &PgPool,
+    conn: &mut sqlx::PgConnection,
     clock: &Clock,
     cipher: Option<&Cipher>,
     id: &ScopedKey,
 ) -> StoreResult<KeyRecord> {
-    super::keys::record(pool, clock, cipher, id)
+    super::keys::record(&mut *conn, clock, cipher, id)
         .await?
         .ok_or_else(|| StoreError::Corrupt("the key vanished while it was being reserved".into()))
 }
@@ -209,11 +209,11 @@ async fn existing(
 /// Stores a batch of outcomes without entity effects (those go one at a time, in a
 /// transaction with their effects: see `Keys::finish`).
 pub(super) async fn finish_many(
-    pool: &PgPool,
+    conn: &mut sqlx::PgConnection,
     clock: &Clock,
     fs: Vec<Finishing>,
 ) -> StoreResult<Vec<bool>> {
-    store_outcomes(pool, clock, &fs).await
+    store_outcomes(conn, clock, &fs).await
 }
 
 /// Stores every outcome whose epoch still owns its key (`false` for the fenced ones), and

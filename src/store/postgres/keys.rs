@@ -4,8 +4,8 @@
 use super::*;
 
 /// A key's record, on the local clock.
-pub(super) async fn record(
-    pool: &PgPool,
+pub(super) async fn record<'e>(
+    db: impl sqlx::PgExecutor<'e>,
     clock: &Clock,
     cipher: Option<&crate::store::seal::Cipher>,
     id: &ScopedKey,
@@ -16,7 +16,7 @@ pub(super) async fn record(
     .bind(&id.upstream)
     .bind(&id.scope)
     .bind(&id.key)
-    .fetch_optional(pool)
+    .fetch_optional(db)
     .await?;
     Ok(clock.records(row.as_slice(), cipher)?.pop())
 }

@@ -167,27 +167,39 @@ impl PgStore {
             })
         };
         let gets = {
-            let (pool, clock, cipher) = (pool.clone(), clock.clone(), cipher.clone());
-            batch::Batcher::start(batch::IN_FLIGHT, move |ids| {
-                let (pool, clock, cipher) = (pool.clone(), clock.clone(), cipher.clone());
-                async move { batched::get_many(&pool, &clock, cipher.as_deref(), ids).await }
+            let (clock, cipher) = (clock.clone(), cipher.clone());
+            batch::Batcher::start(batch::IN_FLIGHT, pool.clone(), move |mut conn, ids| {
+                let (clock, cipher) = (clock.clone(), cipher.clone());
+                async move {
+                    let out = batched::get_many(&mut conn, &clock, cipher.as_deref(), ids).await;
+                    (Some(conn), out)
+                }
             })
         };
         let reserves = {
-            let (pool, clock, cipher) = (pool.clone(), clock.clone(), cipher.clone());
-            batch::Batcher::start(batch::IN_FLIGHT, move |rs| {
-                let (pool, clock, cipher) = (pool.clone(), clock.clone(), cipher.clone());
-                async move { batched::reserve_many(&pool, &clock, cipher.as_deref(), rs).await }
+            let (clock, cipher) = (clock.clone(), cipher.clone());
+            batch::Batcher::start(batch::IN_FLIGHT, pool.clone(), move |mut conn, rs| {
+                let (clock, cipher) = (clock.clone(), cipher.clone());
+                async move {
+                    let out = batched::reserve_many(&mut conn, &clock, cipher.as_deref(), rs).await;
+                    // A statement that failed part-way leaves some requests reserved and the
+                    // rest with its error: the connection is not kept either way.
+                    let clean = matches!(&out, Ok(each) if each.iter().all(Result::is_ok));
+                    (clean.then_some(conn), out)
+                }
             })
         };
         let finishes = {
-            let (pool, clock) = (pool.clone(), clock.clone());
+            let clock = clock.clone();
             // One batch of outcomes at a time: most callers were answered before their outcome
             // commits (`store.answer_before_commit`), so larger, fewer statements cost them
             // nothing (A/B at 64 connections: ~4% more first writes/s than two in flight).
-            batch::Batcher::start(1, move |fs| {
-                let (pool, clock) = (pool.clone(), clock.clone());
-                async move { batched::finish_many(&pool, &clock, fs).await }
+            batch::Batcher::start(1, pool.clone(), move |mut conn, fs| {
+                let clock = clock.clone();
+                async move {
+                    let out = batched::finish_many(&mut conn, &clock, fs).await;
+                    (Some(conn), out)
+                }
             })
         };
         Ok(PgStore {
@@ -247,6 +259,10 @@ impl Store for PgStore {
     async fn close(&self) {
         self.listener.abort();
         self.clock_task.abort();
+        // The batchers keep connections; the pool closes once they are back.
+        self.gets.close().await;
+        self.reserves.close().await;
+        self.finishes.close().await;
         self.pool.close().await;
     }
 }
