@@ -441,6 +441,46 @@ async fn connections_the_database_killed_are_replaced_not_reused() {
     assert_eq!(again.replayed(), Some(true));
 }
 
+/// Many writes at once, each to its own entity, on one replica: every one takes its lease (on
+/// the connections kept for lease statements), none waits for a connection kept idle, and
+/// each is forwarded once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_entities_at_once_each_get_their_lease() {
+    let Some(Cluster {
+        pg: _pg,
+        upstream,
+        _dir,
+        ps,
+    }) = cluster(1, "30s", RecordingUpstream::builder()).await
+    else {
+        return;
+    };
+    let url = ps[0].url("/api/charges");
+    let mut tasks = Vec::new();
+    for round in 0..3 {
+        for i in 0..32 {
+            let url = url.clone();
+            tasks.push(tokio::spawn(async move {
+                let key = format!("many-{round}-{i}");
+                post_json(
+                    &url,
+                    Some(&key),
+                    &json!({"customer": format!("cus_{i}")}),
+                    &[],
+                )
+                .await
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.expect("request task").assert_status(200);
+    }
+    assert_eq!(upstream.count(), 96);
+    for i in 0..32 {
+        assert_eq!(upstream.max_concurrent(&format!("cus_{i}")), 1);
+    }
+}
+
 /// A contended store: the lease table is locked by another session while ten writes to one
 /// entity arrive on two replicas; every write waits in the store, then they go one at a time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -127,7 +127,7 @@ impl StoreLeases {
         }
         Ok(self
             .store
-            .renew_entities(&self.held, &self.owner, lease)
+            .recheck_entities(&self.held, &self.owner, lease)
             .await?
             .is_empty())
     }

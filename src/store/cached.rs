@@ -291,6 +291,14 @@ impl EntityLocks for CachedStore {
     ) -> StoreResult<Vec<String>> {
         self.inner.renew_entities(leases, owner, lease).await
     }
+    async fn recheck_entities(
+        &self,
+        leases: &[EntityLease],
+        owner: &str,
+        lease: Duration,
+    ) -> StoreResult<Vec<String>> {
+        self.inner.recheck_entities(leases, owner, lease).await
+    }
     async fn unlock_entities(&self, leases: &[EntityLease], owner: &str) -> StoreResult<()> {
         self.inner.unlock_entities(leases, owner).await
     }

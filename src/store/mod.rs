@@ -265,6 +265,17 @@ pub trait EntityLocks: Send + Sync + 'static {
     ) -> StoreResult<Vec<String>> {
         Ok(Vec::new())
     }
+    /// [`EntityLocks::renew_entities`] right before the reservation: the last check that the
+    /// leases are still ours. A store may make this renewal durable lazily, since the
+    /// reservation that follows it is made durable before anything is forwarded.
+    async fn recheck_entities(
+        &self,
+        leases: &[EntityLease],
+        owner: &str,
+        lease: Duration,
+    ) -> StoreResult<Vec<String>> {
+        self.renew_entities(leases, owner, lease).await
+    }
     /// Releases entity leases (fenced: only those still ours) and wakes their waiters.
     async fn unlock_entities(&self, _leases: &[EntityLease], _owner: &str) -> StoreResult<()> {
         Ok(())

@@ -7,7 +7,7 @@ use sqlx::PgPool;
 
 /// One insert for the whole batch, over `UNNEST`ed arrays: one statement shape whatever the
 /// batch size, so each connection prepares and plans it once.
-pub async fn append_audit(pool: &PgPool, rows: &[AuditRow]) -> StoreResult<()> {
+pub async fn append_audit<'e>(db: impl sqlx::PgExecutor<'e>, rows: &[AuditRow]) -> StoreResult<()> {
     if rows.is_empty() {
         return Ok(());
     }
@@ -35,7 +35,7 @@ pub async fn append_audit(pool: &PgPool, rows: &[AuditRow]) -> StoreResult<()> {
     .bind(int(|r| r.lock_wait_ms))
     .bind(rows.iter().map(|r| r.upstream_ms).collect::<Vec<_>>())
     .bind(int(|r| r.expires_at))
-    .execute(pool)
+    .execute(db)
     .await?;
     Ok(())
 }
@@ -100,7 +100,10 @@ impl AuditLog for PgStore {
         for r in &mut rows {
             r.expires_at = self.clock.to_db(r.expires_at);
         }
-        append_audit(&self.pool, &rows).await
+        let mut c = self.kept.take().await?;
+        append_audit(c.conn(), &rows).await?;
+        c.done();
+        Ok(())
     }
     async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
         let names = format!(

@@ -69,12 +69,15 @@ pub async fn apply_effects(
     Ok(())
 }
 
-pub async fn entity_states(pool: &PgPool, entities: &[String]) -> StoreResult<Vec<EntityState>> {
+pub async fn entity_states<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    entities: &[String],
+) -> StoreResult<Vec<EntityState>> {
     let rows = sqlx::query(&format!(
         "SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE entity = ANY($1)"
     ))
     .bind(entities)
-    .fetch_all(pool)
+    .fetch_all(db)
     .await?;
     rows.iter().map(rows::entity_state).collect()
 }
@@ -130,7 +133,9 @@ impl PgStore {
 #[async_trait]
 impl EntityStates for PgStore {
     async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
-        let states = entity_states(&self.pool, entities).await?;
+        let mut c = self.kept.take().await?;
+        let states = entity_states(c.conn(), entities).await?;
+        c.done();
         Ok(self.local_states(states))
     }
     async fn release_claim(&self, entity: &str) -> StoreResult<bool> {

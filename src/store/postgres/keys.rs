@@ -56,7 +56,8 @@ impl Keys for PgStore {
         }
         // One transaction: the answer and its effects stand or fall together; the
         // notification goes out at commit.
-        let mut tx = self.pool.begin().await?;
+        let mut lent = self.kept.take().await?;
+        let mut tx = sqlx::Connection::begin(lent.conn()).await?;
         let mut finishing = [(id.clone(), epoch, c)];
         let owned = batched::store_outcomes(&mut *tx, &self.clock, &finishing).await?;
         let owned = owned.first().copied().unwrap_or(false);
@@ -66,6 +67,7 @@ impl Keys for PgStore {
             entities::apply_effects(&mut tx, id, &effects).await?;
         }
         tx.commit().await?;
+        lent.done();
         Ok(owned)
     }
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {

@@ -11,7 +11,10 @@ enum Attempt {
 }
 
 impl PgStore {
+    /// On a lazily durable connection (see `PgStore::lazy`): a lease taken is made durable by
+    /// the reservation's commit before anything is forwarded under it.
     async fn try_lease(&self, entity: &str, owner: &str, lease: Duration) -> StoreResult<Attempt> {
+        let mut c = self.lazy.take().await?;
         let row = sqlx::query(&format!(
             "INSERT INTO idem_entity_leases (entity, owner, epoch, lease_until) VALUES ($1, $2, 1, {NOW} + $3) \
              ON CONFLICT (entity) DO UPDATE SET owner = excluded.owner, epoch = idem_entity_leases.epoch + 1, \
@@ -22,20 +25,51 @@ impl PgStore {
         .bind(entity)
         .bind(owner)
         .bind(lease_ms(lease))
-        .fetch_optional(&self.pool)
+        .fetch_optional(c.conn())
         .await?;
         if let Some(row) = row {
+            c.done();
             return Ok(Attempt::Acquired(row.try_get(0)?));
         }
         let left: Option<i64> = sqlx::query_scalar(&format!(
             "SELECT lease_until - {NOW} FROM idem_entity_leases WHERE entity = $1"
         ))
         .bind(entity)
-        .fetch_optional(&self.pool)
+        .fetch_optional(c.conn())
         .await?;
+        c.done();
         Ok(Attempt::HeldFor(Duration::from_millis(
             left.unwrap_or(0).max(0) as u64,
         )))
+    }
+
+    /// Extends `leases` on a connection from `conns`; returns the ones no longer ours.
+    async fn renew(
+        &self,
+        conns: &kept::Kept,
+        leases: &[EntityLease],
+        owner: &str,
+        lease: Duration,
+    ) -> StoreResult<Vec<String>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (names, epochs): (Vec<String>, Vec<i64>) =
+            leases.iter().map(|l| (l.entity.clone(), l.epoch)).unzip();
+        let mut c = conns.take().await?;
+        let kept: Vec<String> = sqlx::query_scalar(&format!(
+            "UPDATE idem_entity_leases SET lease_until = {NOW} + $3 \
+             WHERE owner = $1 AND (entity, epoch) IN (SELECT * FROM unnest($2::text[], $4::bigint[])) \
+             RETURNING entity"
+        ))
+        .bind(owner)
+        .bind(&names)
+        .bind(lease_ms(lease))
+        .bind(&epochs)
+        .fetch_all(c.conn())
+        .await?;
+        c.done();
+        Ok(names.into_iter().filter(|n| !kept.contains(n)).collect())
     }
 }
 
@@ -114,23 +148,18 @@ impl EntityLocks for PgStore {
         owner: &str,
         lease: Duration,
     ) -> StoreResult<Vec<String>> {
-        if leases.is_empty() {
-            return Ok(Vec::new());
-        }
-        let (names, epochs): (Vec<String>, Vec<i64>) =
-            leases.iter().map(|l| (l.entity.clone(), l.epoch)).unzip();
-        let kept: Vec<String> = sqlx::query_scalar(&format!(
-            "UPDATE idem_entity_leases SET lease_until = {NOW} + $3 \
-             WHERE owner = $1 AND (entity, epoch) IN (SELECT * FROM unnest($2::text[], $4::bigint[])) \
-             RETURNING entity"
-        ))
-        .bind(owner)
-        .bind(&names)
-        .bind(lease_ms(lease))
-        .bind(&epochs)
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(names.into_iter().filter(|n| !kept.contains(n)).collect())
+        // Durable at its commit: renewals while the upstream call runs keep the lease from
+        // lapsing under it, even across a database crash.
+        self.renew(&self.kept, leases, owner, lease).await
+    }
+    async fn recheck_entities(
+        &self,
+        leases: &[EntityLease],
+        owner: &str,
+        lease: Duration,
+    ) -> StoreResult<Vec<String>> {
+        // Right before the reservation, whose synchronous commit makes this one durable too.
+        self.renew(&self.lazy, leases, owner, lease).await
     }
     async fn unlock_entities(&self, leases: &[EntityLease], owner: &str) -> StoreResult<()> {
         if leases.is_empty() {
@@ -138,6 +167,8 @@ impl EntityLocks for PgStore {
         }
         let (names, epochs): (Vec<String>, Vec<i64>) =
             leases.iter().map(|l| (l.entity.clone(), l.epoch)).unzip();
+        // Lazily durable: a release lost in a database crash only leaves the lease to expire.
+        let mut c = self.lazy.take().await?;
         sqlx::query(&format!(
             "WITH u AS (UPDATE idem_entity_leases SET owner = NULL, lease_until = 0 \
              WHERE owner = $1 AND (entity, epoch) IN (SELECT * FROM unnest($2::text[], $3::bigint[])) \
@@ -147,8 +178,9 @@ impl EntityLocks for PgStore {
         .bind(owner)
         .bind(&names)
         .bind(&epochs)
-        .fetch_all(&self.pool)
+        .fetch_all(c.conn())
         .await?;
+        c.done();
         Ok(())
     }
 }

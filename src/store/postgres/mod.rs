@@ -18,6 +18,7 @@ mod audit;
 mod batch;
 mod batched;
 mod entities;
+mod kept;
 mod keys;
 mod locks;
 mod meta;
@@ -44,6 +45,15 @@ use super::rows::{self, KEY_COLUMNS_PG as COLUMNS};
 
 pub struct PgStore {
     pool: PgPool,
+    /// Connections kept between the unbatched hot statements (see [`kept`]).
+    kept: kept::Kept,
+    /// The same, on sessions with `synchronous_commit = off`: for the entity lease statements
+    /// whose durability the next synchronous commit provides — a lease taken or re-checked
+    /// before a reservation (whose commit flushes the log through them, before anything is
+    /// forwarded), a release (lost in a database crash, the lease only expires). Each of
+    /// these waited for its own WAL flush: three per request on an entity route.
+    lazy: kept::Kept,
+    lazy_pool: PgPool,
     /// Reservations and outcomes, many per round trip (see [`batch`]).
     gets: batch::Batcher<ScopedKey, Option<KeyRecord>>,
     /// Reservations answer one by one (see `batched::reserve_many`).
@@ -129,8 +139,15 @@ impl PgStore {
             ("enable_hashjoin", "off"),
             ("enable_mergejoin", "off"),
         ]);
+        let lazy_pool = PgPoolOptions::new()
+            .max_connections(LAZY_CONNECTIONS)
+            .min_connections(0)
+            .test_before_acquire(false)
+            .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
+            .acquire_timeout(Duration::from_secs(3))
+            .connect_lazy_with(opts.clone().options([("synchronous_commit", "off")]));
         let pool = PgPoolOptions::new()
-            .max_connections(32)
+            .max_connections(32 - LAZY_CONNECTIONS)
             .min_connections(2)
             // sqlx's default pings every connection as it leaves the pool: a round trip (and a
             // backend woken) per statement. Only a connection idle for a while is pinged (a
@@ -139,14 +156,7 @@ impl PgStore {
             // for an outcome, after the upstream answered, leaving its key unknown. Under
             // load connections are never idle that long, so they are never pinged.
             .test_before_acquire(false)
-            .before_acquire(|conn, meta| {
-                Box::pin(async move {
-                    if meta.idle_for > Duration::from_secs(1) {
-                        sqlx::Connection::ping(conn).await?;
-                    }
-                    Ok(true)
-                })
-            })
+            .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
             .acquire_timeout(Duration::from_secs(3))
             .connect_with(opts)
             .await?;
@@ -203,6 +213,9 @@ impl PgStore {
             })
         };
         Ok(PgStore {
+            kept: kept::Kept::new(pool.clone(), KEPT_CONNECTIONS),
+            lazy: kept::Kept::new(lazy_pool.clone(), LAZY_CONNECTIONS as usize - 1),
+            lazy_pool,
             pool,
             gets,
             reserves,
@@ -214,6 +227,23 @@ impl PgStore {
             cipher,
         })
     }
+}
+
+/// Connections of the lazily durable pool (see `PgStore::lazy`), out of the replica's 32.
+const LAZY_CONNECTIONS: u32 = 8;
+/// Connections the unbatched hot statements keep at most (see [`kept`]), of the main pool's
+/// 24: the batchers keep 5 more, and the rest serve transactions, listings and `LISTEN`.
+const KEPT_CONNECTIONS: usize = 8;
+
+/// The pools' test before use: only a connection idle for a while is pinged (see `open`).
+async fn ping_if_idle(
+    conn: &mut sqlx::PgConnection,
+    meta: sqlx::pool::PoolConnectionMetadata,
+) -> Result<bool, sqlx::Error> {
+    if meta.idle_for > batch::IDLE {
+        sqlx::Connection::ping(conn).await?;
+    }
+    Ok(true)
 }
 
 /// Feeds the hub from LISTEN. After a lost connection every waiter is woken to re-check,
@@ -263,6 +293,9 @@ impl Store for PgStore {
         self.gets.close().await;
         self.reserves.close().await;
         self.finishes.close().await;
+        self.kept.release_all();
+        self.lazy.release_all();
+        self.lazy_pool.close().await;
         self.pool.close().await;
     }
 }
