@@ -6,7 +6,7 @@
 #   - replay:       POSTs that all carry one key (every answer a stored replay),
 #   - first write:  POSTs with a fresh key each (reserve durably, forward, store durably),
 #                   at CONN connections and at 1 connection (p50 beside the upstream's own),
-#   - first write with an entity per customer (adds the entity lock), SQLite.
+#   - first write with an entity per customer (adds the entity lock), on both stores.
 # Usage: bench/run.sh [seconds] [connections]. Needs wrk and nginx (apt-get install wrk nginx).
 # RUNS=N repeats the whole set N times (the same proxies, their stores growing) and prints each
 # row's median: every ratio is still taken within one run, beside that run's nginx. This VM's
@@ -115,6 +115,7 @@ for RUN in $(seq "$RUNS"); do
   one first1 "idemproxy first write, 1 conn" "http://127.0.0.1:$PROXY/api/v1/charges" bench/first_write.lua
   if [ "$HAVE_PG" = 1 ]; then
     run pgfirst "idemproxy first write (PostgreSQL)" "http://127.0.0.1:$PGPROXY/api/v1/charges" bench/first_write.lua
+    run pgentity "  ... + entity lock (PostgreSQL)" "http://127.0.0.1:$PGPROXY/api/v2/charges" "$WORK/first_write_entity.lua"
     one pgfirst1 "  ... 1 conn (PostgreSQL)" "http://127.0.0.1:$PGPROXY/api/v1/charges" bench/first_write.lua
   fi
 done
@@ -144,7 +145,8 @@ print(f"\n| workload{label} | nginx proxy_pass | idemproxy | goal |\n|---|---|--
 for name, key, goal in ((f"replay, {conn} connections", "replay", ">= 1.5x nginx"),
                         (f"first write, {conn} connections, SQLite", "first", ">= 0.5x nginx"),
                         (f"first write + entity lock, {conn} connections, SQLite", "entity", "(none)"),
-                        (f"first write, {conn} connections, PostgreSQL", "pgfirst", ">= 0.3x nginx")):
+                        (f"first write, {conn} connections, PostgreSQL", "pgfirst", ">= 0.3x nginx"),
+                        (f"first write + entity lock, {conn} connections, PostgreSQL", "pgentity", "(none)")):
     vals = [r(key, i) for i in each]
     ratios = [v / b if v is not None else None for v, b in zip(vals, bases)]
     m = med(ratios)
