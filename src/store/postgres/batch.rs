@@ -58,8 +58,9 @@ pub struct Batcher<I, O> {
 impl<I: Send + 'static, O: Send + 'static> Batcher<I, O> {
     /// `run` answers a batch in order, one result per request (an error is every request's),
     /// and hands back the connection it was given — `None` when a statement failed on it, even
-    /// if only some requests heard of it (the connection may be broken: the pool tests it). `in_flight`: batches of this kind at the
-    /// database at once (see [`IN_FLIGHT`]), each on a connection taken from `pool`.
+    /// if only some requests heard of it (the connection may be broken: the pool tests it).
+    /// `in_flight`: batches of this kind at the database at once (see [`IN_FLIGHT`]), each on
+    /// a connection taken from `pool`.
     pub fn start<F, Fut>(in_flight: usize, pool: PgPool, run: F) -> Batcher<I, O>
     where
         F: Fn(Conn, Vec<I>) -> Fut + Send + Sync + 'static,
@@ -163,8 +164,12 @@ async fn drain<I, O, F, Fut>(
 async fn connection(kept: Option<Kept>, pool: &PgPool) -> StoreResult<Conn> {
     match kept {
         Some(k) if k.at.elapsed() <= IDLE => Ok(k.conn),
-        // Dropped: back to the pool, which tests it before anyone uses it again.
-        _ => Ok(pool.acquire().await?),
+        stale => {
+            // Back to the pool first (which tests it before anyone uses it again), so this
+            // batch never holds two.
+            drop(stale);
+            Ok(pool.acquire().await?)
+        }
     }
 }
 

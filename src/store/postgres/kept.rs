@@ -1,8 +1,8 @@
 //! Connections lent to one statement (or transaction) at a time and kept between them, out of
 //! the pool: sqlx tests every connection handed back to its pool with a round trip (a `Sync`,
 //! answered by `ReadyForQuery`), which woke a backend and cost a round trip per statement —
-//! two per request on an entity route (its lease taken, then released). The batchers keep
-//! theirs the same way (see [`super::batch`]).
+//! three per request on an entity route (its lease taken, re-checked, released). The
+//! batchers keep theirs the same way (see [`super::batch`]).
 //!
 //! Only a statement that succeeded gives its connection back here ([`Lent::done`]); one that
 //! failed, or whose future was dropped mid-way, drops it, and the pool tests it (closing it if
