@@ -97,14 +97,19 @@ impl Lent<'_> {
         &mut self.conn
     }
 
-    /// The statement succeeded: keep the connection for the next one.
+    /// The statement succeeded: keep the connection for the next one — unless the store is
+    /// closing ([`Kept::release_all`]): kept then, it would never reach the pool, whose close
+    /// waits for every connection.
     pub fn done(self) {
         let Lent { conn, home, _room } = self;
-        // Kept before the permit goes, so whoever it lets in finds the connection.
-        home.idle
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((conn, Instant::now()));
+        // Decided under the lock `release_all` takes after closing: a connection is either
+        // kept before it empties the list, or goes back to the pool.
+        let mut idle = home.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if !home.room.is_closed() {
+            // Kept before the permit goes, so whoever it lets in finds the connection.
+            idle.push((conn, Instant::now()));
+        }
+        drop(idle);
         drop(_room);
     }
 }
