@@ -7,6 +7,11 @@
 #   - first write:  POSTs with a fresh key each (reserve durably, forward, store durably),
 #                   at CONN connections and at 1 connection (p50 beside the upstream's own),
 #   - first write with an entity per customer (adds the entity lock), on both stores.
+# Each row also gives the server side's CPU per request, from /proc: the proxy's threads (and,
+# on PostgreSQL, the database's processes), or for the nginx rows nginx's one worker, which
+# serves both the baseline proxy and the upstream. A ratio depends on how much of the two cores
+# wrk and the upstream take on the machine at hand; the CPU per request says what a workload
+# itself costs.
 # Usage: bench/run.sh [seconds] [connections]. Needs wrk and nginx (apt-get install wrk nginx).
 # RUNS=N repeats the whole set N times (the same proxies, their stores growing) and prints each
 # row's median: every ratio is still taken within one run, beside that run's nginx. This VM's
@@ -80,19 +85,46 @@ settle() {
   sync
 }
 
+# cpu_ticks PID...: CPU time (user + system, clock ticks) of every thread of each process.
+cpu_ticks() {
+  local p files=()
+  for p in "$@"; do files+=("/proc/$p/stat"); done
+  cat "${files[@]}" 2>/dev/null | awk '{s += $14 + $15} END {print s + 0}'
+}
+# The processes whose CPU a workload's row reports: the proxy that serves its URL (and, for
+# PostgreSQL, every postgres process), or nginx (both the proxy and its upstream: one worker).
+served_by() {
+  case "$1" in
+    *":$PROXY/"*) cat "$WORK/idemproxy.pid" ;;
+    *":$PGPROXY/"*) cat "$WORK/idemproxy-pg.pid"; pgrep -x postgres || true ;;
+    *) cat "$WORK/nginx.pid"; pgrep -P "$(cat "$WORK/nginx.pid")" || true ;;
+  esac
+}
+
 run() { # id label url script
   local id=$1; shift
-  local out
+  local out pids before after
   settle
+  pids=$(served_by "$2")
+  # shellcheck disable=SC2086
+  before=$(cpu_ticks $pids)
   out=$(wrk -t$THREADS -c"$CONN" -d"${DUR}s" --latency -s "$3" "$2")
-  local rps p50 p99 errors
+  # shellcheck disable=SC2086
+  after=$(cpu_ticks $pids)
+  local rps p50 p99 errors n cpu
   rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
   p50=$(echo "$out" | awk '$1=="50%" {print $2}')
   p99=$(echo "$out" | awk '$1=="99%" {print $2}')
   errors=$(echo "$out" | awk '/Non-2xx/ {print $5}')
-  printf '%-34s %12s req/s   p50 %8s   p99 %8s   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${errors:-0}"
+  n=$(echo "$out" | awk '/requests in/ {print $1}')
+  # The server side's CPU per request (µs): what each workload costs,
+  # whatever share of the two cores wrk leaves it.
+  cpu=$(awk -v t=$((after - before)) -v n="$n" -v hz="$(getconf CLK_TCK)" \
+    'BEGIN {printf "%.1f", (n > 0 ? t * 1e6 / hz / n : 0)}')
+  printf '%-34s %12s req/s   p50 %8s   p99 %8s   CPU %6s us/req   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "$cpu" "${errors:-0}"
   echo "$rps" > "$WORK/$id.$RUN.rps"
   echo "$p50" > "$WORK/$id.$RUN.p50"
+  echo "$cpu" > "$WORK/$id.$RUN.cpu"
 }
 one() { # id label url: one connection, the p50 is what counts
   local saved=$CONN saved_t=$THREADS
@@ -135,6 +167,9 @@ def ms(n, i):
         if t.endswith(unit):
             return float(t[: -len(unit)]) * f
     return None
+def cpu(n, i):
+    p = w / f"{n}.{i}.cpu"
+    return float(p.read_text()) if p.exists() else None
 def med(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -150,10 +185,10 @@ for name, key, goal in ((f"replay, {conn} connections", "replay", ">= 1.5x nginx
     vals = [r(key, i) for i in each]
     ratios = [v / b if v is not None else None for v, b in zip(vals, bases)]
     m = med(ratios)
-    cell = "not run" if m is None else f"{med(vals):,.0f} ({m:.2f}x nginx)"
+    cell = "not run" if m is None else f"{med(vals):,.0f} ({m:.2f}x nginx, {med([cpu(key, i) for i in each]):.0f} us CPU)"
     if runs > 1 and m is not None:
         cell += " — runs " + ", ".join(f"{x:.2f}x" for x in ratios)
-    print(f"| {name} | {med(bases):,.0f} req/s | {cell} | {goal} |")
+    print(f"| {name} | {med(bases):,.0f} req/s, {med([cpu('nginx', i) for i in each]):.0f} us CPU | {cell} | {goal} |")
 d = med([ms("direct1", i) for i in each])
 for name, key, goal in (("SQLite", "first1", "<= direct + 0.3 ms"), ("PostgreSQL", "pgfirst1", "<= 0.8 ms")):
     vs = [ms(key, i) for i in each]
