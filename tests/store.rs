@@ -547,17 +547,32 @@ async fn postgres_entity_leases_exclude_and_expire() {
         "B must not"
     );
 
-    // B waits; A's release wakes it (the wait is far shorter than the lease).
+    // B waits; A's release wakes it. A releases only once B has marked the lease watched — B
+    // is then waiting, until the lease or its own timeout runs out (60 s), so only the NOTIFY
+    // that the mark asks for wakes it within the liveness bound below.
     let waiter = {
         let (b, ents) = (b.clone(), ents.clone());
-        tokio::spawn(async move {
-            b.lock_entities(&ents, "B", LONG, Duration::from_secs(20))
-                .await
-        })
+        tokio::spawn(async move { b.lock_entities(&ents, "B", LONG, LONG).await })
     };
-    a.unlock_entities(&held, "A").await.unwrap();
-    let b_held = waiter
+    let db = sqlx::PgPool::connect(&pg.url).await.unwrap();
+    let watched = async {
+        while !sqlx::query_scalar::<_, bool>(
+            "SELECT watched FROM idem_entity_leases WHERE entity = 'slot:1'",
+        )
+        .fetch_one(&db)
         .await
+        .unwrap()
+        {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(20), watched)
+        .await
+        .expect("B marks the lease it waits for");
+    a.unlock_entities(&held, "A").await.unwrap();
+    let b_held = tokio::time::timeout(Duration::from_secs(20), waiter)
+        .await
+        .expect("B was not woken by A's release")
         .unwrap()
         .unwrap()
         .expect("B takes it after A's release");

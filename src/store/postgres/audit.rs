@@ -71,6 +71,8 @@ pub async fn purge(pool: &PgPool, batch: i64, released_before: i64) -> StoreResu
         ("DELETE FROM idem_audit WHERE id = ANY(ARRAY(SELECT id FROM idem_audit WHERE expires_at < $1 LIMIT $2))", now),
         ("UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL \
           WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entities WHERE claim_until < $1 LIMIT $2))", now),
+        // No index: one would keep every lease's take and release from being a HOT update
+        // (migration `0011`). The walk stops at the batch size, and most leases are free.
         ("DELETE FROM idem_entity_leases WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entity_leases \
           WHERE owner IS NULL AND lease_until < $1 LIMIT $2))", now),
     ];

@@ -1,5 +1,6 @@
 //! Entity leases on PostgreSQL: one row per entity with its owner, a fencing epoch and a lease
-//! on the database clock; waiters wake on NOTIFY when a lease is released.
+//! on the database clock; a waiter marks the lease it waits for, and wakes on the NOTIFY its
+//! release then sends.
 
 use super::*;
 
@@ -18,7 +19,7 @@ impl PgStore {
         let row = sqlx::query(&format!(
             "INSERT INTO idem_entity_leases (entity, owner, epoch, lease_until) VALUES ($1, $2, 1, {NOW} + $3) \
              ON CONFLICT (entity) DO UPDATE SET owner = excluded.owner, epoch = idem_entity_leases.epoch + 1, \
-               lease_until = excluded.lease_until \
+               lease_until = excluded.lease_until, watched = false \
              WHERE idem_entity_leases.owner IS NULL OR idem_entity_leases.lease_until <= excluded.lease_until - $3 \
              RETURNING epoch"
         ))
@@ -31,8 +32,12 @@ impl PgStore {
             c.done();
             return Ok(Attempt::Acquired(row.try_get(0)?));
         }
+        // Held: marked watched, so that its release NOTIFYs (see migration `0011`). No row:
+        // released since, and the caller asks again.
         let left: Option<i64> = sqlx::query_scalar(&format!(
-            "SELECT lease_until - {NOW} FROM idem_entity_leases WHERE entity = $1"
+            "UPDATE idem_entity_leases SET watched = true \
+             WHERE entity = $1 AND owner IS NOT NULL AND lease_until > {NOW} \
+             RETURNING lease_until - {NOW}"
         ))
         .bind(entity)
         .fetch_optional(c.conn())
@@ -168,12 +173,13 @@ impl EntityLocks for PgStore {
         let (names, epochs): (Vec<String>, Vec<i64>) =
             leases.iter().map(|l| (l.entity.clone(), l.epoch)).unzip();
         // Lazily durable: a release lost in a database crash only leaves the lease to expire.
+        // NOTIFYed only if a waiter marked the lease while we held it (see `try_lease`).
         let mut c = self.lazy.take().await?;
         sqlx::query(&format!(
             "WITH u AS (UPDATE idem_entity_leases SET owner = NULL, lease_until = 0 \
              WHERE owner = $1 AND (entity, epoch) IN (SELECT * FROM unnest($2::text[], $3::bigint[])) \
-             RETURNING entity) \
-             SELECT pg_notify('{CHANNEL}', 'e:' || entity)::text FROM u"
+             RETURNING entity, watched) \
+             SELECT pg_notify('{CHANNEL}', 'e:' || entity)::text FROM u WHERE watched"
         ))
         .bind(owner)
         .bind(&names)
