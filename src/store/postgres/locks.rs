@@ -170,23 +170,58 @@ impl EntityLocks for PgStore {
         if leases.is_empty() {
             return Ok(());
         }
-        let (names, epochs): (Vec<String>, Vec<i64>) =
-            leases.iter().map(|l| (l.entity.clone(), l.epoch)).unzip();
-        // Lazily durable: a release lost in a database crash only leaves the lease to expire.
-        // NOTIFYed only if a waiter marked the lease while we held it (see `try_lease`).
-        let mut c = self.lazy.take().await?;
-        sqlx::query(&format!(
-            "WITH u AS (UPDATE idem_entity_leases SET owner = NULL, lease_until = 0 \
-             WHERE owner = $1 AND (entity, epoch) IN (SELECT * FROM unnest($2::text[], $3::bigint[])) \
-             RETURNING entity, watched) \
-             SELECT pg_notify('{CHANNEL}', 'e:' || entity)::text FROM u WHERE watched"
-        ))
-        .bind(owner)
-        .bind(&names)
-        .bind(&epochs)
-        .fetch_all(c.conn())
-        .await?;
-        c.done();
-        Ok(())
+        // Many requests' releases per round trip (see `release_many`).
+        let releasing = Releasing {
+            owner: owner.to_owned(),
+            leases: leases.to_vec(),
+        };
+        self.releases.call(releasing).await
     }
+}
+
+/// One request's leases to release.
+pub struct Releasing {
+    owner: String,
+    leases: Vec<EntityLease>,
+}
+
+/// Releases the leases of a batch of requests in one statement, on a lazily durable session
+/// (see `PgStore::lazy`): a release lost in a database crash only leaves the lease to expire.
+/// NOTIFYed only where a waiter marked the lease while it was held (see `try_lease`). The rows
+/// are locked in the entity's order, as every statement that locks several lease rows does, so
+/// that two such statements of different replicas cannot deadlock.
+pub async fn release_many(
+    conn: &mut sqlx::PgConnection,
+    batch: Vec<Releasing>,
+) -> StoreResult<Vec<()>> {
+    let mut rows: Vec<(&str, &str, i64)> = batch
+        .iter()
+        .flat_map(|r| {
+            r.leases
+                .iter()
+                .map(|l| (l.entity.as_str(), r.owner.as_str(), l.epoch))
+        })
+        .collect();
+    rows.sort_unstable();
+    let (mut entities, mut owners, mut epochs) = (Vec::new(), Vec::new(), Vec::new());
+    for (entity, owner, epoch) in rows {
+        entities.push(entity);
+        owners.push(owner);
+        epochs.push(epoch);
+    }
+    sqlx::query(&format!(
+        "WITH o AS (SELECT l.entity FROM idem_entity_leases l \
+           JOIN unnest($1::text[], $2::text[], $3::bigint[]) AS t(e, o, p) \
+             ON l.entity = t.e AND l.owner = t.o AND l.epoch = t.p \
+           ORDER BY l.entity FOR UPDATE OF l), \
+         u AS (UPDATE idem_entity_leases l SET owner = NULL, lease_until = 0 FROM o \
+           WHERE l.entity = o.entity RETURNING l.entity, l.watched) \
+         SELECT pg_notify('{CHANNEL}', 'e:' || entity)::text FROM u WHERE watched"
+    ))
+    .bind(&entities)
+    .bind(&owners)
+    .bind(&epochs)
+    .fetch_all(conn)
+    .await?;
+    Ok(vec![(); batch.len()])
 }

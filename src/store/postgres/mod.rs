@@ -59,6 +59,8 @@ pub struct PgStore {
     /// Reservations answer one by one (see `batched::reserve_many`).
     reserves: batch::Batcher<Reservation, StoreResult<Reserved>>,
     finishes: batch::Batcher<batched::Finishing, bool>,
+    /// Entity lease releases, on the lazily durable pool (see `locks::release_many`).
+    releases: batch::Batcher<locks::Releasing, ()>,
     hub: Arc<Hub>,
     listener: tokio::task::JoinHandle<()>,
     clock: Clock,
@@ -212,14 +214,22 @@ impl PgStore {
                 }
             })
         };
+        // One batch of releases at a time, on a connection of the lazy pool that the lazy
+        // kept connections leave for it.
+        let releases = batch::Batcher::start(1, lazy_pool.clone(), |mut conn, rs| async move {
+            let out = locks::release_many(&mut conn, rs).await;
+            let clean = out.is_ok();
+            (clean.then_some(conn), out)
+        });
         Ok(PgStore {
             kept: kept::Kept::new(pool.clone(), KEPT_CONNECTIONS),
-            lazy: kept::Kept::new(lazy_pool.clone(), LAZY_CONNECTIONS as usize - 1),
+            lazy: kept::Kept::new(lazy_pool.clone(), LAZY_CONNECTIONS as usize - 2),
             lazy_pool,
             pool,
             gets,
             reserves,
             finishes,
+            releases,
             hub,
             listener,
             clock,
@@ -293,6 +303,7 @@ impl Store for PgStore {
         self.gets.close().await;
         self.reserves.close().await;
         self.finishes.close().await;
+        self.releases.close().await;
         self.kept.release_all();
         self.lazy.release_all();
         self.lazy_pool.close().await;
