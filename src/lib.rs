@@ -28,7 +28,8 @@
 //!   fsync pipelined on a thread of its own: `store::sqlite::durable`, each commit's WAL
 //!   frames written in one call: `store::sqlite::walbuf`, the request path's reads on the
 //!   caller's thread: `store::sqlite::reader`) and PostgreSQL (replicas, leases, NOTIFY;
-//!   statements batched, `store::postgres::batch`, and on connections kept between them,
+//!   statements batched, `store::postgres::batch` — entity leases too,
+//!   `store::postgres::leases` — and on connections kept between them,
 //!   `store::postgres::kept`) backends, the replay cache as a layer in front of either (which also
 //!   holds answers given before their commit, `store::settling`), and stored answers sealed
 //!   at rest (`store::seal`, AES-256-GCM) when an encryption key is set; a key's identity,

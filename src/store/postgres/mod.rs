@@ -20,6 +20,7 @@ mod batched;
 mod entities;
 mod kept;
 mod keys;
+mod leases;
 mod locks;
 mod meta;
 
@@ -59,8 +60,10 @@ pub struct PgStore {
     /// Reservations answer one by one (see `batched::reserve_many`).
     reserves: batch::Batcher<Reservation, StoreResult<Reserved>>,
     finishes: batch::Batcher<batched::Finishing, bool>,
-    /// Entity lease releases, on the lazily durable pool (see `locks::release_many`).
-    releases: batch::Batcher<locks::Releasing, ()>,
+    /// Entity leases taken and released, many per statement, on the lazily durable pool
+    /// (see [`leases`]).
+    takes: batch::Batcher<leases::Taking, leases::Attempt>,
+    releases: batch::Batcher<leases::Releasing, ()>,
     hub: Arc<Hub>,
     listener: tokio::task::JoinHandle<()>,
     clock: Clock,
@@ -214,21 +217,32 @@ impl PgStore {
                 }
             })
         };
-        // One batch of releases at a time, on a connection of the lazy pool that the lazy
-        // kept connections leave for it.
+        // Takes as many in flight as reservations, releases one batch at a time: connections
+        // of the lazy pool that its kept connections leave for them.
+        let takes = batch::Batcher::start(
+            batch::IN_FLIGHT,
+            lazy_pool.clone(),
+            |mut conn, ts| async move {
+                let out = leases::take_many(&mut conn, ts).await;
+                (out.is_ok().then_some(conn), out)
+            },
+        );
         let releases = batch::Batcher::start(1, lazy_pool.clone(), |mut conn, rs| async move {
-            let out = locks::release_many(&mut conn, rs).await;
-            let clean = out.is_ok();
-            (clean.then_some(conn), out)
+            let out = leases::release_many(&mut conn, rs).await;
+            (out.is_ok().then_some(conn), out)
         });
         Ok(PgStore {
             kept: kept::Kept::new(pool.clone(), KEPT_CONNECTIONS),
-            lazy: kept::Kept::new(lazy_pool.clone(), LAZY_CONNECTIONS as usize - 2),
+            lazy: kept::Kept::new(
+                lazy_pool.clone(),
+                LAZY_CONNECTIONS as usize - 1 - batch::IN_FLIGHT - 1,
+            ),
             lazy_pool,
             pool,
             gets,
             reserves,
             finishes,
+            takes,
             releases,
             hub,
             listener,
@@ -303,6 +317,7 @@ impl Store for PgStore {
         self.gets.close().await;
         self.reserves.close().await;
         self.finishes.close().await;
+        self.takes.close().await;
         self.releases.close().await;
         self.kept.release_all();
         self.lazy.release_all();
