@@ -89,7 +89,8 @@ settle() {
 cpu_ticks() {
   local p files=()
   for p in "$@"; do files+=("/proc/$p/stat"); done
-  cat "${files[@]}" 2>/dev/null | awk '{s += $14 + $15} END {print s + 0}'
+  # A process may be gone by now (a PostgreSQL backend whose connection closed): not an error.
+  { cat "${files[@]}" 2>/dev/null || true; } | awk '{s += $14 + $15} END {print s + 0}'
 }
 # The processes whose CPU a workload's row reports: the proxy that serves its URL (and, for
 # PostgreSQL, every postgres process), or nginx (both the proxy and its upstream: one worker).

@@ -610,6 +610,66 @@ async fn postgres_entity_leases_exclude_and_expire() {
     assert!(taken.is_some_and(|t| t[0].epoch > short[0].epoch));
 }
 
+/// The purge leaves alone a lease that is being taken: it picks its rows `FOR UPDATE SKIP
+/// LOCKED`, so one a request has locked is skipped, and one picked is re-checked under its
+/// lock. The old statement picked the free lease, waited for the taker's lock, and then deleted
+/// the lease under its new holder.
+#[tokio::test]
+async fn postgres_purge_never_deletes_a_lease_being_taken() {
+    use sqlx::Connection;
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let s = store::open(&pg.url, LONG, false, None).await.unwrap();
+    let ents = vec!["slot:p".to_string()];
+    let held = s
+        .lock_entities(&ents, "A", LONG, Duration::ZERO)
+        .await
+        .unwrap()
+        .unwrap();
+    // Released: free, and past its lease — what the purge deletes.
+    s.unlock_entities(&held, "A").await.unwrap();
+    // Another replica takes it; its transaction is still open.
+    let mut taker = sqlx::PgConnection::connect(&pg.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut taker).await.unwrap();
+    sqlx::query(
+        "UPDATE idem_entity_leases SET owner = 'B', epoch = epoch + 1, \
+         lease_until = 9000000000000000 WHERE entity = 'slot:p'",
+    )
+    .execute(&mut taker)
+    .await
+    .unwrap();
+    let purge = {
+        let s = s.clone();
+        tokio::spawn(async move { s.purge(500, 0).await })
+    };
+    // The purge ends without waiting, or waits for the taker's lock: then the taker commits.
+    let db = sqlx::PgPool::connect(&pg.url).await.unwrap();
+    while !purge.is_finished()
+        && sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
+        )
+        .fetch_one(&db)
+        .await
+        .unwrap()
+            == 0
+    {
+        tokio::task::yield_now().await;
+    }
+    sqlx::query("COMMIT").execute(&mut taker).await.unwrap();
+    purge.await.unwrap().unwrap();
+    let owner: Option<Option<String>> =
+        sqlx::query_scalar("SELECT owner FROM idem_entity_leases WHERE entity = 'slot:p'")
+            .fetch_optional(&db)
+            .await
+            .unwrap();
+    assert_eq!(
+        owner.flatten().as_deref(),
+        Some("B"),
+        "the lease taken meanwhile keeps its row and its holder"
+    );
+}
+
 /// Lease statements of many requests at once, on two replicas, over overlapping entities (each
 /// request three of six, taken in order): an entity has one holder at a time, and no statement
 /// fails — two attempts at one entity in one batch (one insert may not touch a row twice) are

@@ -58,6 +58,14 @@ pub async fn audit_where(
 
 /// One small batch of each kind of expired row; each statement is short, so purging never
 /// holds locks that requests wait on for long.
+///
+/// Each statement picks its rows `FOR UPDATE SKIP LOCKED` and then changes only those: a row
+/// a request has locked (a key being reserved again, a lease being taken or released, a claim
+/// being renewed) is left for the next purge, so the purge never waits for a request's lock
+/// while holding others — which deadlocked with a batch of lease releases that held the one it
+/// waited for and waited for one it held — and a row picked is re-checked against the latest
+/// committed version and stays as picked until the purge commits: without the lock, a lease
+/// taken again between the pick and the delete was deleted under its new holder.
 pub async fn purge(pool: &PgPool, batch: i64, released_before: i64) -> StoreResult<u64> {
     let now: i64 = sqlx::query_scalar(&format!("SELECT {NOW}"))
         .fetch_one(pool)
@@ -65,16 +73,17 @@ pub async fn purge(pool: &PgPool, batch: i64, released_before: i64) -> StoreResu
     let mut n = 0;
     let by_time = [
         ("DELETE FROM idem_keys WHERE ctid = ANY(ARRAY(SELECT ctid FROM idem_keys \
-          WHERE state = 'completed' AND expires_at < $1 LIMIT $2))", now),
+          WHERE state = 'completed' AND expires_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED))", now),
         ("DELETE FROM idem_keys WHERE ctid = ANY(ARRAY(SELECT ctid FROM idem_keys \
-          WHERE state = 'released' AND updated_at < $1 LIMIT $2))", released_before),
+          WHERE state = 'released' AND updated_at < $1 LIMIT $2 FOR UPDATE SKIP LOCKED))", released_before),
         ("DELETE FROM idem_audit WHERE id = ANY(ARRAY(SELECT id FROM idem_audit WHERE expires_at < $1 LIMIT $2))", now),
         ("UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL \
-          WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entities WHERE claim_until < $1 LIMIT $2))", now),
+          WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entities WHERE claim_until < $1 LIMIT $2 \
+          FOR UPDATE SKIP LOCKED))", now),
         // No index: one would keep every lease's take and release from being a HOT update
         // (migration `0011`). The walk stops at the batch size, and most leases are free.
         ("DELETE FROM idem_entity_leases WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entity_leases \
-          WHERE owner IS NULL AND lease_until < $1 LIMIT $2))", now),
+          WHERE owner IS NULL AND lease_until < $1 LIMIT $2 FOR UPDATE SKIP LOCKED))", now),
     ];
     for (sql, before) in by_time {
         n += sqlx::query(sql)
@@ -86,7 +95,7 @@ pub async fn purge(pool: &PgPool, batch: i64, released_before: i64) -> StoreResu
     }
     n += sqlx::query(
         "DELETE FROM idem_entities WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entities \
-         WHERE version IS NULL AND claim_key IS NULL LIMIT $1))",
+         WHERE version IS NULL AND claim_key IS NULL LIMIT $1 FOR UPDATE SKIP LOCKED))",
     )
     .bind(batch)
     .execute(pool)
