@@ -41,10 +41,34 @@ impl Taking {
 /// is held. Taking a lease clears its mark (see the migration). Two attempts at one entity in
 /// a batch (never from one replica's requests, which queue in the process first): the second
 /// hears `HeldFor(0)` and asks again.
+///
+/// The first statement commits the leases it takes, so once it has answered, every request
+/// hears of its own: if the second fails, those still held hear `HeldFor(0)` (they ask again,
+/// and hear the error then), and `false` says the connection is not to be kept.
 pub async fn take_many(
     conn: &mut sqlx::PgConnection,
     batch: Vec<Taking>,
-) -> StoreResult<Vec<Attempt>> {
+) -> (bool, StoreResult<Vec<Attempt>>) {
+    match take_then_mark(conn, &batch).await {
+        Ok((taken, left)) => {
+            let clean = left.is_ok();
+            let left = left.unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "could not mark the entity leases waited for");
+                HashMap::new()
+            });
+            (clean, Ok(answers(&batch, &taken, &left)))
+        }
+        Err(e) => (false, Err(e)),
+    }
+}
+
+type Found = HashMap<String, i64>;
+
+/// The take (its leases, by entity), then the mark (how long each still held has left).
+async fn take_then_mark(
+    conn: &mut sqlx::PgConnection,
+    batch: &[Taking],
+) -> StoreResult<(Found, StoreResult<Found>)> {
     let mut order: Vec<usize> = (0..batch.len()).collect();
     order.sort_by(|&a, &b| batch[a].entity.cmp(&batch[b].entity));
     order.dedup_by(|b, a| batch[*a].entity == batch[*b].entity);
@@ -64,34 +88,40 @@ pub async fn take_many(
     .bind(&leases)
     .fetch_all(&mut *conn)
     .await?;
-    let taken: HashMap<String, i64> = taken.into_iter().collect();
+    let taken: Found = taken.into_iter().collect();
     let held: Vec<&str> = entities
         .iter()
         .copied()
         .filter(|e| !taken.contains_key(*e))
         .collect();
-    let left: HashMap<String, i64> = match held.is_empty() {
-        true => HashMap::new(),
-        false => sqlx::query_as::<_, (String, i64)>(&format!(
-            "WITH o AS (SELECT entity FROM idem_entity_leases WHERE entity = ANY($1) \
+    if held.is_empty() {
+        return Ok((taken, Ok(HashMap::new())));
+    }
+    let left = sqlx::query_as::<_, (String, i64)>(&format!(
+        "WITH o AS (SELECT entity FROM idem_entity_leases WHERE entity = ANY($1) \
                ORDER BY entity FOR UPDATE) \
              UPDATE idem_entity_leases l SET watched = true FROM o \
              WHERE l.entity = o.entity AND l.owner IS NOT NULL AND l.lease_until > {NOW} \
              RETURNING l.entity, l.lease_until - {NOW}"
-        ))
-        .bind(&held)
-        .fetch_all(&mut *conn)
-        .await?
-        .into_iter()
-        .collect(),
-    };
-    let mut answered = vec![false; batch.len()];
-    for &i in &order {
-        answered[i] = true;
+    ))
+    .bind(&held)
+    .fetch_all(&mut *conn)
+    .await
+    .map(|rows| rows.into_iter().collect())
+    .map_err(StoreError::from);
+    Ok((taken, left))
+}
+
+/// Each attempt's answer, in the batch's order: only an entity's first attempt can have it.
+fn answers(batch: &[Taking], taken: &Found, left: &Found) -> Vec<Attempt> {
+    let mut first: HashMap<&str, usize> = HashMap::new();
+    for (i, t) in batch.iter().enumerate() {
+        first.entry(t.entity.as_str()).or_insert(i);
     }
-    Ok(batch
+    batch
         .iter()
-        .zip(answered)
+        .enumerate()
+        .map(|(i, t)| (t, first.get(t.entity.as_str()) == Some(&i)))
         .map(|(t, first)| match (first, taken.get(&t.entity)) {
             (true, Some(&epoch)) => Attempt::Acquired(epoch),
             // Held (how long for), released since the take (no row: ask again), or a second
@@ -101,7 +131,7 @@ pub async fn take_many(
                 Attempt::HeldFor(Duration::from_millis(ms.max(0) as u64))
             }
         })
-        .collect())
+        .collect()
 }
 
 /// One request's leases to release.

@@ -223,8 +223,8 @@ impl PgStore {
             batch::IN_FLIGHT,
             lazy_pool.clone(),
             |mut conn, ts| async move {
-                let out = leases::take_many(&mut conn, ts).await;
-                (out.is_ok().then_some(conn), out)
+                let (clean, out) = leases::take_many(&mut conn, ts).await;
+                (clean.then_some(conn), out)
             },
         );
         let releases = batch::Batcher::start(1, lazy_pool.clone(), |mut conn, rs| async move {
