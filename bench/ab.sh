@@ -60,7 +60,7 @@ fresh() {
 
 measure() { # BIN: "req/s cpu-µs-per-request" of one run on a fresh store
   fresh
-  TOKIO_WORKER_THREADS=${PROXY_WORKERS:-$(nproc)} RUST_LOG=warn "$1" serve --config "$WORK/proxy.toml" \
+  env ${PROXY_WORKERS:+TOKIO_WORKER_THREADS=$PROXY_WORKERS} RUST_LOG=warn "$1" serve --config "$WORK/proxy.toml" \
     2>>"$WORK/proxy.log" &
   local pid=$!
   echo "$pid" > "$WORK/proxy.pid"

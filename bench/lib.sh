@@ -61,10 +61,10 @@ TOML
 
 # serve NAME CONFIG ADMIN-PORT: starts the release binary (pid in $WORK/NAME.pid, stderr
 # appended to $WORK/NAME.log) and waits until it answers /healthz. PROXY_WORKERS sets its
-# tokio worker threads (TOKIO_WORKER_THREADS; unset: one per core, the proxy's default) — 1
-# matches the baseline nginx's `worker_processes 1`.
+# worker threads (TOKIO_WORKER_THREADS); unset, the proxy's default (`server.workers`: one per
+# core, less one on SQLite).
 serve() {
-  TOKIO_WORKER_THREADS=${PROXY_WORKERS:-$(nproc)} RUST_LOG=warn ./target/release/idemproxy serve --config "$2" 2>>"$WORK/$1.log" &
+  env ${PROXY_WORKERS:+TOKIO_WORKER_THREADS=$PROXY_WORKERS} RUST_LOG=warn ./target/release/idemproxy serve --config "$2" 2>>"$WORK/$1.log" &
   echo $! > "$WORK/$1.pid"
   for _ in $(seq 100); do curl -fs "http://127.0.0.1:$3/healthz" >/dev/null && break; sleep 0.1; done
 }

@@ -135,7 +135,7 @@ one() { # id label url: one connection, the p50 is what counts
 }
 
 sed 's#/api/v1/charges#/api/v2/charges#' bench/first_write.lua > "$WORK/first_write_entity.lua"
-echo "wrk: $THREADS threads, $CONN connections, ${DUR}s each; $(nproc) cores; nginx: 1 worker; idemproxy: ${PROXY_WORKERS:-$(nproc)} tokio workers (PROXY_WORKERS)"
+echo "wrk: $THREADS threads, $CONN connections, ${DUR}s each; $(nproc) cores; nginx: 1 worker; idemproxy: ${PROXY_WORKERS:-its default number of} workers (PROXY_WORKERS)"
 curl -fs -X POST -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-replay-1' \
   -d '{"amount":100,"currency":"usd","customer":"cus_1"}' "http://127.0.0.1:$PROXY/api/v1/charges" >/dev/null
 for RUN in $(seq "$RUNS"); do

@@ -106,7 +106,16 @@ pub fn main() -> ExitCode {
             headers,
             body,
         } => explain(&config, &method, &url_path, &headers, body),
-        Command::Serve => runtime(serve(config)),
+        Command::Serve => {
+            let mut rt = tokio::runtime::Builder::new_multi_thread();
+            // TOKIO_WORKER_THREADS, when set, is the runtime's own override (tokio reads it).
+            if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                let sqlite = config.store.url.starts_with("sqlite:");
+                rt.worker_threads(config.server.workers_for(cores, sqlite));
+            }
+            run_on(rt, serve(config))
+        }
         Command::Migrate => runtime(migrate(config)),
         Command::Keys { command } => runtime(keys(config, command)),
     };
@@ -120,10 +129,14 @@ pub fn main() -> ExitCode {
 }
 
 fn runtime(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> anyhow::Result<()> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?
-        .block_on(fut)
+    run_on(tokio::runtime::Builder::new_multi_thread(), fut)
+}
+
+fn run_on(
+    mut rt: tokio::runtime::Builder,
+    fut: impl std::future::Future<Output = anyhow::Result<()>>,
+) -> anyhow::Result<()> {
+    rt.enable_all().build()?.block_on(fut)
 }
 
 fn check(config: &Config) -> anyhow::Result<()> {

@@ -97,6 +97,12 @@ fn keep_fixed(old: &Config, new: &mut Config) -> Vec<String> {
         n.max_connections_per_ip.to_string(),
     );
     n.max_connections_per_ip = o.max_connections_per_ip;
+    note(
+        "server.workers",
+        format!("{:?}", o.workers),
+        format!("{:?}", n.workers),
+    );
+    n.workers = o.workers;
     let (o, n) = (&old.store, &mut new.store);
     note("store.url", o.display_url(), n.display_url());
     n.url = o.url.clone();

@@ -106,6 +106,16 @@ fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
     };
     let max_connections = count(cx, &raw.max_connections, 8192).max(1);
     let max_connections_per_ip = count(cx, &raw.max_connections_per_ip, 1024);
+    let workers = raw
+        .workers
+        .as_ref()
+        .and_then(|n| match usize::try_from(*n.get_ref()) {
+            Ok(w) if (1..=1024).contains(&w) => Some(w),
+            _ => {
+                cx.err(n.span(), "must be from 1 to 1024");
+                None
+            }
+        });
     let body_timeout = cx.dur(&raw.body_timeout, Duration::from_secs(30));
     let tls = raw.tls.as_ref().and_then(|t| {
         let t = t.get_ref();
@@ -123,6 +133,7 @@ fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
         max_answer,
         max_connections,
         max_connections_per_ip,
+        workers,
         tls,
     }
 }

@@ -56,7 +56,26 @@ pub struct ServerConfig {
     /// Most connections one peer address may hold per listener (0: no per-peer limit), so
     /// one client cannot take every slot of [`ServerConfig::max_connections`].
     pub max_connections_per_ip: usize,
+    /// Threads serving requests (the async runtime's workers); `None`: see
+    /// [`ServerConfig::workers_for`].
+    pub workers: Option<usize>,
     pub tls: Option<TlsFiles>,
+}
+
+impl ServerConfig {
+    /// The workers to start on a machine with `cores` cores. By default one per core —
+    /// except on SQLite, whose one writer thread (and its syncer) runs every first write's
+    /// statements beside the workers: one core is left to it. On a 2-core machine one worker
+    /// then serves a lone first write in 0.28–0.30 ms against 0.40 ms with two (the writer's
+    /// reply woke a second worker on the other core) at the same throughput under load
+    /// (docs/benchmark.md, twelfth session).
+    pub fn workers_for(&self, cores: usize, sqlite: bool) -> usize {
+        let default = match sqlite {
+            true => cores.saturating_sub(1),
+            false => cores,
+        };
+        self.workers.unwrap_or(default).max(1)
+    }
 }
 
 #[derive(Debug, Clone)]

@@ -33,6 +33,7 @@ pub struct RawServer {
     pub max_answer: Option<Str>,
     pub max_connections: Option<Spanned<i64>>,
     pub max_connections_per_ip: Option<Spanned<i64>>,
+    pub workers: Option<Spanned<i64>>,
     pub tls: Option<Spanned<RawTls>>,
 }
 
