@@ -10,7 +10,7 @@
 //! different replicas, each waiting for rows the other has locked, cannot deadlock.
 
 use super::*;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// Result of one attempt at an entity lease.
 pub enum Attempt {
@@ -49,14 +49,19 @@ pub async fn take_many(
     conn: &mut sqlx::PgConnection,
     batch: Vec<Taking>,
 ) -> (bool, StoreResult<Vec<Attempt>>) {
-    match take_then_mark(conn, &batch).await {
+    // Each entity once, in order (the order rows are locked in), with its first attempt.
+    let mut first: BTreeMap<&str, usize> = BTreeMap::new();
+    for (i, t) in batch.iter().enumerate() {
+        first.entry(t.entity.as_str()).or_insert(i);
+    }
+    match take_then_mark(conn, &batch, &first).await {
         Ok((taken, left)) => {
             let clean = left.is_ok();
             let left = left.unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "could not mark the entity leases waited for");
                 HashMap::new()
             });
-            (clean, Ok(answers(&batch, &taken, &left)))
+            (clean, Ok(answers(&batch, &first, &taken, &left)))
         }
         Err(e) => (false, Err(e)),
     }
@@ -68,13 +73,11 @@ type Found = HashMap<String, i64>;
 async fn take_then_mark(
     conn: &mut sqlx::PgConnection,
     batch: &[Taking],
+    first: &BTreeMap<&str, usize>,
 ) -> StoreResult<(Found, StoreResult<Found>)> {
-    let mut order: Vec<usize> = (0..batch.len()).collect();
-    order.sort_by(|&a, &b| batch[a].entity.cmp(&batch[b].entity));
-    order.dedup_by(|b, a| batch[*a].entity == batch[*b].entity);
-    let entities: Vec<&str> = order.iter().map(|&i| batch[i].entity.as_str()).collect();
-    let owners: Vec<&str> = order.iter().map(|&i| batch[i].owner.as_str()).collect();
-    let leases: Vec<i64> = order.iter().map(|&i| batch[i].lease_ms).collect();
+    let entities: Vec<&str> = first.keys().copied().collect();
+    let owners: Vec<&str> = first.values().map(|&i| batch[i].owner.as_str()).collect();
+    let leases: Vec<i64> = first.values().map(|&i| batch[i].lease_ms).collect();
     let taken: Vec<(String, i64)> = sqlx::query_as(&format!(
         "INSERT INTO idem_entity_leases (entity, owner, epoch, lease_until) \
          SELECT t.e, t.o, 1, {NOW} + t.l FROM unnest($1::text[], $2::text[], $3::bigint[]) AS t(e, o, l) \
@@ -113,11 +116,12 @@ async fn take_then_mark(
 }
 
 /// Each attempt's answer, in the batch's order: only an entity's first attempt can have it.
-fn answers(batch: &[Taking], taken: &Found, left: &Found) -> Vec<Attempt> {
-    let mut first: HashMap<&str, usize> = HashMap::new();
-    for (i, t) in batch.iter().enumerate() {
-        first.entry(t.entity.as_str()).or_insert(i);
-    }
+fn answers(
+    batch: &[Taking],
+    first: &BTreeMap<&str, usize>,
+    taken: &Found,
+    left: &Found,
+) -> Vec<Attempt> {
     batch
         .iter()
         .enumerate()
