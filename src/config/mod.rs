@@ -284,6 +284,11 @@ impl std::fmt::Display for ConfigError {
 impl std::error::Error for ConfigError {}
 
 impl StoreConfig {
+    /// The embedded store (one process, its own writer thread), not PostgreSQL.
+    pub fn is_sqlite(&self) -> bool {
+        self.url.starts_with("sqlite:")
+    }
+
     /// The URL with its password masked, for logs and errors.
     pub fn display_url(&self) -> String {
         redact_url(&self.url)

@@ -33,7 +33,7 @@ pub fn candidates(store: &StoreConfig, create: bool) -> StoreResult<Vec<Candidat
     if let Some(s) = &store.scope_secret {
         return Ok(vec![candidate(s.as_bytes(), "store.scope_secret".into())]);
     }
-    let sqlite = store.url.starts_with("sqlite:");
+    let sqlite = store.is_sqlite();
     let Some(cipher) = &store.encryption else {
         return Ok(match (sqlite, create) {
             (true, true) => {
