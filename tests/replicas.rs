@@ -324,18 +324,8 @@ async fn postgres_stopped_fails_closed_then_recovers_without_a_restart() {
     assert_eq!(upstream.count(), 1);
     // The entity's lease is released after the answer: stopping the database before that
     // would leave it held until it runs out (30 s), and the write after the restart waits.
-    let db = sqlx::PgPool::connect(&pg.url).await.unwrap();
-    while sqlx::query_scalar::<_, i64>(
-        "SELECT count(*) FROM idem_entity_leases WHERE owner IS NOT NULL",
-    )
-    .fetch_one(&db)
-    .await
-    .unwrap()
-        > 0
-    {
-        tokio::task::yield_now().await;
-    }
-    db.close().await;
+    pg.until("SELECT count(*) = 0 FROM idem_entity_leases WHERE owner IS NOT NULL")
+        .await;
 
     pg.stop();
     for i in 0..3 {

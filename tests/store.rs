@@ -554,21 +554,8 @@ async fn postgres_entity_leases_exclude_and_expire() {
         let (b, ents) = (b.clone(), ents.clone());
         tokio::spawn(async move { b.lock_entities(&ents, "B", LONG, LONG).await })
     };
-    let db = sqlx::PgPool::connect(&pg.url).await.unwrap();
-    let watched = async {
-        while !sqlx::query_scalar::<_, bool>(
-            "SELECT watched FROM idem_entity_leases WHERE entity = 'slot:1'",
-        )
-        .fetch_one(&db)
-        .await
-        .unwrap()
-        {
-            tokio::task::yield_now().await;
-        }
-    };
-    tokio::time::timeout(Duration::from_secs(20), watched)
-        .await
-        .expect("B marks the lease it waits for");
+    pg.until("SELECT watched FROM idem_entity_leases WHERE entity = 'slot:1'")
+        .await;
     a.unlock_entities(&held, "A").await.unwrap();
     let b_held = tokio::time::timeout(Duration::from_secs(20), waiter)
         .await

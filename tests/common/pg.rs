@@ -51,6 +51,25 @@ impl PgServer {
         })
     }
 
+    /// Waits until `sql` (one boolean) holds in the test's database: a state polled for, never
+    /// slept for, bounded so a test that waits in vain fails instead of hanging.
+    pub async fn until(&self, sql: &str) {
+        let db = sqlx::PgPool::connect(&self.url).await.unwrap();
+        let holds = async {
+            while !sqlx::query_scalar::<_, bool>(sql)
+                .fetch_one(&db)
+                .await
+                .unwrap()
+            {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(20), holds)
+            .await
+            .unwrap_or_else(|_| panic!("never held: {sql}"));
+        db.close().await;
+    }
+
     /// A `[store]` table for a proxy on this server (PostgreSQL needs a scope secret).
     pub fn store_toml(&self) -> String {
         format!(
