@@ -212,6 +212,7 @@ pub fn audit_json(a: &AuditRow) -> Value {
         "total_ms": a.total_ms,
         "lock_wait_ms": a.lock_wait_ms,
         "upstream_ms": a.upstream_ms,
+        "requests": a.requests,
     })
 }
 

@@ -7,6 +7,7 @@
 
 use crate::metrics::Stats;
 use crate::store::{now_ms, AuditRow, Store};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -80,8 +81,8 @@ async fn write_rows(
         if buf.is_empty() && stopping {
             return;
         }
-        let rows = std::mem::take(&mut buf);
-        let n = rows.len() as u64;
+        let rows = fold(std::mem::take(&mut buf));
+        let n = rows.iter().map(|r| r.requests.max(0) as u64).sum();
         if let Err(e) = store.append_audit(rows).await {
             stats.on_store_error();
             stats.on_audit_dropped(n);
@@ -91,6 +92,46 @@ async fn write_rows(
             return;
         }
     }
+}
+
+/// Folds each run of one key's requests that ended alike (same route, entities, fingerprint,
+/// decision and upstream status, with no other outcome of that key between them) into one
+/// row that counts them: `requests`, at the first one's time, with the slowest one's
+/// durations and the latest expiry. A retry storm — a client, a webhook sender or a hostile
+/// caller replaying one key tens of thousands of times a second — otherwise wrote a row per
+/// replay, and those rows were a fifth of a replay's cost and most of the store's writes. Each
+/// key's rows keep their order; rows of different keys are never merged.
+fn fold(rows: Vec<AuditRow>) -> Vec<AuditRow> {
+    let mut out: Vec<AuditRow> = Vec::with_capacity(rows.len());
+    // Each (upstream, route, key)'s latest row in `out`, by a hash checked on use.
+    let mut latest: HashMap<u64, usize> = HashMap::with_capacity(rows.len());
+    let hasher = ahash::RandomState::new();
+    for row in rows {
+        let h = hasher.hash_one((&row.upstream, &row.route, &row.key));
+        if let Some(prev) = latest.get(&h).map(|&i| &mut out[i]) {
+            let same_key =
+                (&prev.upstream, &prev.route, &prev.key) == (&row.upstream, &row.route, &row.key);
+            if same_key && alike(prev, &row) {
+                prev.requests += row.requests;
+                prev.total_ms = prev.total_ms.max(row.total_ms);
+                prev.lock_wait_ms = prev.lock_wait_ms.max(row.lock_wait_ms);
+                prev.upstream_ms = prev.upstream_ms.max(row.upstream_ms);
+                prev.expires_at = prev.expires_at.max(row.expires_at);
+                continue;
+            }
+        }
+        latest.insert(h, out.len());
+        out.push(row);
+    }
+    out
+}
+
+/// Two rows of one key that tell the same story but for their times.
+fn alike(a: &AuditRow, b: &AuditRow) -> bool {
+    a.decision == b.decision
+        && a.fingerprint == b.fingerprint
+        && a.upstream_status == b.upstream_status
+        && a.entities == b.entities
 }
 
 /// Rows of each kind deleted per purge statement: small, so no purge holds the store long.
@@ -139,5 +180,114 @@ pub async fn retention(
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fold;
+    use crate::store::AuditRow;
+
+    fn row(key: &str, decision: &str, total_ms: i64) -> AuditRow {
+        AuditRow {
+            at: total_ms,
+            upstream: "api".into(),
+            route: "charges".into(),
+            entities: vec!["customer:1".into()],
+            key: Some(key.into()),
+            fingerprint: Some("fp".into()),
+            decision: decision.into(),
+            upstream_status: None,
+            total_ms,
+            lock_wait_ms: 0,
+            upstream_ms: None,
+            expires_at: total_ms,
+            requests: 1,
+        }
+    }
+
+    fn story(rows: &[AuditRow]) -> Vec<(String, String, i64)> {
+        let key = |r: &AuditRow| r.key.clone().unwrap_or_default();
+        rows.iter()
+            .map(|r| (key(r), r.decision.clone(), r.requests))
+            .collect()
+    }
+
+    /// A storm of one key's replays, interleaved with other keys' rows, is one row that counts
+    /// them, where the first one stood; the other keys' rows are untouched.
+    #[test]
+    fn one_keys_replays_fold_into_one_row_that_counts_them() {
+        let rows = vec![
+            row("a", "forwarded", 9),
+            row("k", "replayed", 1),
+            row("b", "forwarded", 2),
+            row("k", "replayed", 7),
+            row("k", "replayed", 3),
+        ];
+        let folded = fold(rows);
+        let want = [
+            ("a", "forwarded", 1),
+            ("k", "replayed", 3),
+            ("b", "forwarded", 1),
+        ];
+        let want: Vec<_> = want
+            .iter()
+            .map(|(k, d, n)| (k.to_string(), d.to_string(), *n))
+            .collect();
+        assert_eq!(story(&folded), want);
+        let k = &folded[1];
+        assert_eq!(
+            (k.at, k.total_ms, k.expires_at),
+            (1, 7, 7),
+            "first time, slowest, latest"
+        );
+    }
+
+    /// The auditor folds what one batch holds before it writes: 300 replays queued behind a
+    /// key's forward are stored, in a real SQLite store, as two rows that count 301 requests.
+    #[tokio::test]
+    async fn the_auditor_stores_a_replay_storm_as_one_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}", dir.path().join("a.db").display());
+        let timeout = std::time::Duration::from_secs(30);
+        let store = crate::store::open(&url, timeout, true, None).await.unwrap();
+        let stats = std::sync::Arc::new(crate::metrics::Stats::default());
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (auditor, task) = super::Auditor::start(store.clone(), stats, stop.clone());
+        // On this one-thread runtime the writer task runs only once this test awaits: every
+        // row is queued before its first batch.
+        auditor.send(row("k", "forwarded", 5));
+        (0..300).for_each(|n| auditor.send(row("k", "replayed", n % 4)));
+        stop.cancel();
+        task.await.unwrap();
+        let rows = store.audit_for_key("k", 100).await.unwrap();
+        let want = [("replayed", 300), ("forwarded", 1)];
+        let want: Vec<_> = want
+            .iter()
+            .map(|(d, n)| ("k".to_string(), d.to_string(), *n))
+            .collect();
+        assert_eq!(story(&rows), want, "newest first");
+        assert_eq!(rows[0].total_ms, 3, "the slowest replay");
+        store.close().await;
+    }
+
+    /// Another outcome of the key between two replays ends the run (each key's rows keep
+    /// their order), and rows that differ in anything but their times never merge.
+    #[test]
+    fn a_different_outcome_or_story_is_a_row_of_its_own() {
+        let mut other_fp = row("k", "replayed", 1);
+        other_fp.fingerprint = Some("other".into());
+        let mut other_route = row("k", "replayed", 1);
+        other_route.route = "refunds".into();
+        let rows = vec![
+            row("k", "replayed", 1),
+            row("k", "key_reused", 1),
+            row("k", "replayed", 1),
+            other_fp,
+            other_route,
+            row("j", "replayed", 1),
+        ];
+        let folded = fold(rows.clone());
+        assert_eq!(story(&folded), story(&rows), "nothing folds");
     }
 }

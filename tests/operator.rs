@@ -363,3 +363,53 @@ async fn retention_expires_keys_and_audit_rows_unless_the_route_keeps_them() {
     assert_eq!(upstream.request(4).path(), "/short");
     assert_eq!(upstream.request(4).header("idempotency-key"), Some("s-1"));
 }
+
+/// A retry storm: 200 concurrent replays of one key. The upstream sees one POST; the audit
+/// trail counts every request (`requests` summed over the key's rows, read from the store's
+/// file), in no more rows than requests — one key's alike replays share a row.
+#[tokio::test]
+async fn a_replay_storm_is_counted_whole_in_the_audit_trail() {
+    let upstream = RecordingUpstream::start().await;
+    let toml = config("", &upstream.url(), "", &route("book", "/book", ""));
+    let proxy = TestProxy::start(&toml).await;
+    let url = proxy.url("/api/book");
+    let body = json!({"id": "storm"});
+    post_json(&url, Some("storm-1"), &body, &[])
+        .await
+        .assert_status(200);
+    let storm = (0..200).map(|_| {
+        let (url, body) = (url.clone(), body.clone());
+        tokio::spawn(async move { post_json(&url, Some("storm-1"), &body, &[]).await })
+    });
+    for replay in storm {
+        assert_eq!(replay.await.unwrap().replayed(), Some(true));
+    }
+    assert_eq!(upstream.count(), 1, "one forward");
+
+    let db = rusqlite::Connection::open(proxy.dir.db_path()).unwrap();
+    let deadline = Instant::now() + WAIT;
+    let (rows, requests) = loop {
+        let (rows, requests): (i64, i64) = db
+            .query_row(
+                "SELECT count(*), coalesce(sum(requests), 0) FROM idem_audit \
+                 WHERE key = 'storm-1' AND decision = 'replayed'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        if requests >= 200 || Instant::now() >= deadline {
+            break (rows, requests);
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    };
+    assert_eq!(requests, 200, "every replay counted once ({rows} rows)");
+    assert!(rows <= requests);
+    let forwarded: i64 = db
+        .query_row(
+            "SELECT sum(requests) FROM idem_audit WHERE key = 'storm-1' AND decision = 'forwarded'",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(forwarded, 1);
+}

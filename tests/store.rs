@@ -382,6 +382,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
         lock_wait_ms: 1,
         upstream_ms: Some(2),
         expires_at,
+        requests: 1,
     };
     s.append_audit(vec![
         row("b1", "forwarded", far),

@@ -199,6 +199,7 @@ impl Ctx {
             lock_wait_ms: ms(self.lock_wait),
             upstream_ms: upstream.map(ms),
             expires_at: after_ms(self.route.retention),
+            requests: 1,
         }
     }
 }

@@ -68,4 +68,8 @@ pub struct AuditRow {
     pub lock_wait_ms: i64,
     pub upstream_ms: Option<i64>,
     pub expires_at: i64,
+    /// How many requests this row stands for: one, or a run of one key's requests that ended
+    /// alike within one audit batch (a retry storm's replays), folded by the auditor (at the
+    /// first one's time, with the slowest one's durations).
+    pub requests: i64,
 }

@@ -114,6 +114,7 @@ pub fn audit_row(row: &impl Cols) -> StoreResult<AuditRow> {
         lock_wait_ms: row.int("lock_wait_ms")?,
         upstream_ms: row.opt_int("upstream_ms")?,
         expires_at: row.int("expires_at")?,
+        requests: row.int("requests")?,
     })
 }
 
@@ -125,9 +126,9 @@ pub const KEY_COLUMNS_PG: &str = "upstream, scope, key, fingerprint, route, enti
      lease_until, epoch, attempts, status::bigint AS status, headers, body, enc_key, created_at, updated_at, expires_at";
 pub const AUDIT_COLUMNS_SQLITE: &str =
     "at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-     total_ms, lock_wait_ms, upstream_ms, expires_at";
+     total_ms, lock_wait_ms, upstream_ms, expires_at, requests";
 pub const AUDIT_COLUMNS_PG: &str =
     "at, upstream, route, entities::text AS entities, key, fingerprint, decision, \
-     upstream_status::bigint AS upstream_status, total_ms, lock_wait_ms, upstream_ms, expires_at";
+     upstream_status::bigint AS upstream_status, total_ms, lock_wait_ms, upstream_ms, expires_at, requests";
 pub const ENTITY_COLUMNS: &str =
     "entity, version, claim_upstream, claim_scope, claim_key, claim_until, updated_at";

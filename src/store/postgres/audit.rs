@@ -15,13 +15,13 @@ pub async fn append_audit<'e>(db: impl sqlx::PgExecutor<'e>, rows: &[AuditRow]) 
     let int = |f: fn(&AuditRow) -> i64| -> Vec<i64> { rows.iter().map(f).collect() };
     sqlx::query(
         "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-         total_ms, lock_wait_ms, upstream_ms, expires_at) \
+         total_ms, lock_wait_ms, upstream_ms, expires_at, requests) \
          SELECT at, upstream, route, entities::jsonb, key, fingerprint, decision, upstream_status, \
-           total_ms, lock_wait_ms, upstream_ms, expires_at \
+           total_ms, lock_wait_ms, upstream_ms, expires_at, requests \
          FROM UNNEST($1::int8[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], \
-           $8::int4[], $9::int8[], $10::int8[], $11::int8[], $12::int8[]) \
+           $8::int4[], $9::int8[], $10::int8[], $11::int8[], $12::int8[], $13::int8[]) \
          AS v(at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-           total_ms, lock_wait_ms, upstream_ms, expires_at)",
+           total_ms, lock_wait_ms, upstream_ms, expires_at, requests)",
     )
     .bind(int(|r| r.at))
     .bind(text(|r| &r.upstream))
@@ -35,6 +35,7 @@ pub async fn append_audit<'e>(db: impl sqlx::PgExecutor<'e>, rows: &[AuditRow]) 
     .bind(int(|r| r.lock_wait_ms))
     .bind(rows.iter().map(|r| r.upstream_ms).collect::<Vec<_>>())
     .bind(int(|r| r.expires_at))
+    .bind(int(|r| r.requests))
     .execute(db)
     .await?;
     Ok(())

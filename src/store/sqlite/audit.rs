@@ -36,6 +36,7 @@ pub fn append_audit(conn: &Connection, rows: &[AuditRow]) -> StoreResult<()> {
                 &r.lock_wait_ms,
                 &r.upstream_ms,
                 &r.expires_at,
+                &r.requests,
             ]);
         }
         stmt.execute(values.as_slice())?;
@@ -46,7 +47,7 @@ pub fn append_audit(conn: &Connection, rows: &[AuditRow]) -> StoreResult<()> {
 
 /// Rows per multi-row insert, largest first; the last is 1, so every row finds a statement.
 const AUDIT_CHUNKS: [usize; 6] = [32, 16, 8, 4, 2, 1];
-const AUDIT_FIELDS: usize = 12;
+const AUDIT_FIELDS: usize = 13;
 
 /// One insert text per entry of [`AUDIT_CHUNKS`].
 static AUDIT_INSERTS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(|| {
@@ -63,7 +64,7 @@ static AUDIT_INSERTS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::ne
                 .collect();
             format!(
                 "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, \
-                 upstream_status, total_ms, lock_wait_ms, upstream_ms, expires_at) VALUES {}",
+                 upstream_status, total_ms, lock_wait_ms, upstream_ms, expires_at, requests) VALUES {}",
                 rows.join(", ")
             )
         })
@@ -152,6 +153,7 @@ mod tests {
             lock_wait_ms: 0,
             upstream_ms: None,
             expires_at: i64::MAX,
+            requests: n % 3 + 1,
         }
     }
 
