@@ -68,7 +68,11 @@ pub async fn run(
         Err(e) => Err(e),
     };
     if observe {
-        return observe::run(ctx, prepared.err()).await;
+        let refused = match prepared {
+            Ok(()) => ctx.build_outgoing(target).err(),
+            Err(e) => Some(e),
+        };
+        return observe::run(ctx, refused).await;
     }
     if let Err(e) = prepared {
         return ctx.finish(Outcome::Refused(e));
@@ -78,6 +82,7 @@ pub async fn run(
             if let lookup::Found::Replay(stored) = lookup::step(&mut ctx).await? {
                 return Ok(Some(stored));
             }
+            ctx.build_outgoing(target)?;
             lock::step(&mut ctx).await?;
             // A reconcile comes first: a write that did happen makes the checks moot.
             if ctx.reconcile_first.is_none() {
@@ -158,7 +163,10 @@ pub struct Ctx {
     p: Prepared,
     /// Step 1 evaluated the request (the audit row then names its key and entities).
     prepared: bool,
-    /// Step 1: the upstream request, built once.
+    /// Step 1: the request's head and body, until the upstream request is built from them
+    /// (see [`Ctx::build_outgoing`]).
+    unsent: Option<(http::request::Parts, bytes::Bytes)>,
+    /// The upstream request, built once.
     outgoing: forward::Outgoing,
     /// Step 1: the first release's (unkeyed) scope of this request, when keys stored before the
     /// upgrade may remain (see `lookup`), and whether the request carries credentials that
@@ -202,6 +210,7 @@ impl Ctx {
             client: state.client(upstream)?.clone(),
             p: Prepared::default(),
             prepared: false,
+            unsent: None,
             outgoing: forward::Outgoing::default(),
             legacy_scope: None,
             slot: None,
@@ -219,6 +228,16 @@ impl Ctx {
             observed: None,
             finished: false,
         })
+    }
+
+    /// Builds the upstream request from what step 1 kept, once: after the look-up, as a
+    /// replay never sends it (building it — the headers filtered and copied, the upstream URL
+    /// made and parsed — was a twentieth of a replay's cost).
+    fn build_outgoing(&mut self, target: &Target<'_>) -> ProxyResult<()> {
+        if let Some((parts, body)) = self.unsent.take() {
+            self.outgoing = forward::Outgoing::new(&self.client, target, &self.p.key, parts, body)?;
+        }
+        Ok(())
     }
 
     /// Releases the entity locks and leases (after the answer is stored, or when the key

@@ -66,7 +66,8 @@ pub enum KeyPlan {
     Unprotected,
 }
 
-/// Step 1: the body, buffered once; then the evaluation, and the upstream request built.
+/// Step 1: the body, buffered once; then the evaluation. The request is kept for the upstream
+/// request, built once something is to be sent.
 pub(super) async fn step(
     ctx: &mut Ctx,
     plan: KeyPlan,
@@ -119,7 +120,9 @@ pub(super) async fn step(
             .any(|n| parts.headers.contains_key(n));
         ctx.legacy_scope = Some((key::legacy_scope(&parts.headers, extra), uncovered));
     }
-    ctx.outgoing = Outgoing::new(&ctx.client, target, &ctx.p.key, parts, body)?;
+    // The upstream request is built after the look-up (`Ctx::build_outgoing`): a replay,
+    // most of a busy proxy's protected requests, never needs it.
+    ctx.unsent = Some((parts, body));
     Ok(())
 }
 
