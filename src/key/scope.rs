@@ -52,6 +52,9 @@ static CREDENTIAL_NAMES: std::sync::LazyLock<Vec<HeaderName>> = std::sync::LazyL
 /// store, so a copy of the database alone cannot be used to test guesses at credentials.
 pub struct ScopeKeyer {
     key: ring::hmac::Key,
+    /// The scope of a request that carries no credentials, hashed once: an internal API
+    /// called without them is scoped on every request alike.
+    uncredentialed: String,
 }
 
 /// Scopes written by this release start with this, so old (unkeyed) ones can be told apart.
@@ -59,19 +62,26 @@ pub const SCOPE_PREFIX: &str = "k1:";
 
 impl ScopeKeyer {
     pub fn new(secret: &[u8]) -> ScopeKeyer {
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
+        let uncredentialed = scope_of(ring::hmac::Context::with_key(&key));
         ScopeKeyer {
-            key: ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret),
+            key,
+            uncredentialed,
         }
     }
 
     /// `k1:` + hex HMAC-SHA256 over every credential header of the request (name, length,
     /// value), in a fixed order.
     pub fn scope(&self, headers: &HeaderMap, scope_headers: &[HeaderName]) -> String {
-        let mut ctx = ring::hmac::Context::with_key(&self.key);
         // The names the request carries, compared with the list (cheap: a request has a few),
         // so only those are looked up; the hash takes them in the list's order, as before.
-        let carried = |name: &HeaderName| headers.keys().any(|k| k == name);
-        for name in credential_names(scope_headers).filter(|n| carried(n)) {
+        let carried = |name: &&HeaderName| headers.keys().any(|k| k == *name);
+        let mut names = credential_names(scope_headers).filter(carried).peekable();
+        if names.peek().is_none() {
+            return self.uncredentialed.clone();
+        }
+        let mut ctx = ring::hmac::Context::with_key(&self.key);
+        for name in names {
             for v in headers.get_all(name) {
                 ctx.update(name.as_str().as_bytes());
                 ctx.update(b":");
@@ -79,10 +89,7 @@ impl ScopeKeyer {
                 ctx.update(v.as_bytes());
             }
         }
-        let mut scope = String::with_capacity(SCOPE_PREFIX.len() + 64);
-        scope.push_str(SCOPE_PREFIX);
-        super::push_hex(&mut scope, ctx.sign().as_ref());
-        scope
+        scope_of(ctx)
     }
 
     /// A short, stable name for this secret (not the secret), so the store can tell that it
@@ -91,6 +98,14 @@ impl ScopeKeyer {
         let tag = ring::hmac::sign(&self.key, b"idemproxy scope secret id");
         hex::encode(&tag.as_ref()[..8])
     }
+}
+
+/// `k1:` + the hex of what `ctx` hashed.
+fn scope_of(ctx: ring::hmac::Context) -> String {
+    let mut scope = String::with_capacity(SCOPE_PREFIX.len() + 64);
+    scope.push_str(SCOPE_PREFIX);
+    super::push_hex(&mut scope, ctx.sign().as_ref());
+    scope
 }
 
 /// The first release's scope: plain SHA-256 of `Authorization` and the upstream's scope
@@ -161,6 +176,12 @@ mod tests {
         let legacy = legacy_scope(&hm(&[("authorization", "Bearer a")]), &sh);
         assert!(!a.contains(&legacy));
         assert!(a.starts_with(SCOPE_PREFIX));
+        // No credentials: the keyed hash of nothing, as it always was (made once).
+        let none = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, b"0123456789abcdef");
+        let none = format!("k1:{}", hex::encode(ring::hmac::sign(&none, b"")));
+        assert_eq!(scope(&[("x-other", "1")]), none);
+        assert_eq!(scope(&[]), none);
+        assert_ne!(scope(&[("authorization", "")]), none);
     }
 
     /// The bytes hashed are fixed (stored keys are found by their scope after an upgrade):

@@ -10,6 +10,11 @@ use http_body_util::BodyExt;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// The key an answer is for, and whether it is a replay, on every answer (names made once,
+/// not parsed per answer).
+const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
 /// On an answer that is the reconcile read's (the write's own answer was lost).
 pub const RECONCILED_HEADER: &str = "idemproxy-reconciled";
 
@@ -208,6 +213,8 @@ impl Ctx {
 fn unchanged(stored: &StoredResponse) -> Response<ProxyBody> {
     let mut resp = Response::new(full(stored.body.clone()));
     *resp.status_mut() = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::BAD_GATEWAY);
+    // Room for the stored headers and the two `respond` adds: the map never grows.
+    *resp.headers_mut() = HeaderMap::with_capacity(stored.headers.len() + 2);
     let h: &mut HeaderMap = resp.headers_mut();
     for (name, value) in &stored.headers {
         if let (Ok(n), Ok(v)) = (
@@ -225,16 +232,16 @@ pub(super) fn respond(stored: &StoredResponse, key: &str, replayed: bool) -> Res
     let mut resp = unchanged(stored);
     let h: &mut HeaderMap = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(key) {
-        h.insert("idempotency-key", v);
+        h.insert(IDEMPOTENCY_KEY, v);
     }
     // An upstream that replayed on its own (Stripe, after a re-forward with the same key)
     // said so: that stays true.
     let upstream_replayed = h
-        .get("idempotent-replayed")
+        .get(IDEMPOTENT_REPLAYED)
         .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"true"));
     let replayed = replayed || upstream_replayed;
     h.insert(
-        "idempotent-replayed",
+        IDEMPOTENT_REPLAYED,
         HeaderValue::from_static(if replayed { "true" } else { "false" }),
     );
     if stored.reconciled() {
