@@ -16,6 +16,7 @@ use http::{HeaderMap, Method, Request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use hyper::body::Incoming;
 use serde_json::Value;
+use std::task::Poll;
 
 /// Most entities one request may lock.
 pub const MAX_ENTITIES: usize = 100;
@@ -78,17 +79,15 @@ pub(super) async fn step(
     let (parts, body) = req.into_parts();
     let server = &ctx.state.config.server;
     let read = read_body(body, &parts.headers, server.max_body);
-    let body = tokio::time::timeout(server.body_timeout, read)
-        .await
-        .map_err(|_| {
-            ProxyError::new(
-                ErrorKind::BodyTimeout,
-                format!(
-                    "the request body did not arrive within body_timeout ({:?})",
-                    server.body_timeout
-                ),
-            )
-        })??;
+    let body = timed(read, server.body_timeout).await.map_err(|_| {
+        ProxyError::new(
+            ErrorKind::BodyTimeout,
+            format!(
+                "the request body did not arrive within body_timeout ({:?})",
+                server.body_timeout
+            ),
+        )
+    })??;
     let input = Input {
         method: &parts.method,
         path: canonical,
@@ -124,6 +123,20 @@ pub(super) async fn step(
     // most of a busy proxy's protected requests, never needs it.
     ctx.unsent = Some((parts, body));
     Ok(())
+}
+
+/// `read`, timed out after `limit` — but a body that came with its head (most do) is read at
+/// the first poll, and then no timer is set: only a body still arriving is timed.
+async fn timed<F: std::future::Future>(
+    read: F,
+    limit: std::time::Duration,
+) -> Result<F::Output, tokio::time::error::Elapsed> {
+    let mut read = std::pin::pin!(read);
+    let first = std::future::poll_fn(|cx| Poll::Ready(read.as_mut().poll(cx))).await;
+    match first {
+        Poll::Ready(out) => Ok(out),
+        Poll::Pending => tokio::time::timeout(limit, read).await,
+    }
 }
 
 /// Buffers a request body up to `max` bytes.
