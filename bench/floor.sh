@@ -22,15 +22,7 @@ trap cleanup EXIT
 need wrk nginx
 UP=$(free_port); NGX=$(free_port); PROXY=$(free_port); ADMIN=$(free_port)
 FLOOR1=$(free_port); FLOOR2=$(free_port)
-start_nginx "$WORK" "$UP" "  upstream api { server 127.0.0.1:$UP; keepalive 64; }
-  server {
-    listen 127.0.0.1:$NGX;
-    location /api/ {
-      proxy_pass http://api/;
-      proxy_http_version 1.1;
-      proxy_set_header Connection \"\";
-    }
-  }"
+start_nginx "$WORK" "$UP" "$(nginx_proxy "$UP" "$NGX")"
 cargo build --release -q --bin idemproxy --example floor
 proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$WORK/idemproxy.db\"" > "$WORK/proxy.toml"
 serve idemproxy "$WORK/proxy.toml" "$ADMIN"

@@ -33,6 +33,22 @@ NGINX
   nginx -p "$work" -c "$work/nginx.conf"
 }
 
+# nginx_proxy UP PORT: the baseline, a plain nginx reverse proxy on PORT in front of the
+# upstream on UP with pooled upstream connections (for start_nginx's `more`).
+nginx_proxy() {
+  cat <<NGINX
+  upstream api { server 127.0.0.1:$1; keepalive 64; }
+  server {
+    listen 127.0.0.1:$2;
+    location /api/ {
+      proxy_pass http://api/;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }
+  }
+NGINX
+}
+
 # proxy_toml LISTEN ADMIN STORE-LINES: the proxy's config, upstream `api` on $UP with two
 # routes: /v1/charges (key only) and /v2/charges (key and a customer entity).
 proxy_toml() {

@@ -42,15 +42,7 @@ need wrk nginx
 UP=$(free_port); NGX=$(free_port); PROXY=$(free_port); ADMIN=$(free_port)
 PGPORT=$(free_port); PGPROXY=$(free_port); PGADMIN=$(free_port)
 # The baseline: a plain reverse proxy with pooled upstream connections.
-start_nginx "$WORK" "$UP" "  upstream api { server 127.0.0.1:$UP; keepalive 64; }
-  server {
-    listen 127.0.0.1:$NGX;
-    location /api/ {
-      proxy_pass http://api/;
-      proxy_http_version 1.1;
-      proxy_set_header Connection \"\";
-    }
-  }"
+start_nginx "$WORK" "$UP" "$(nginx_proxy "$UP" "$NGX")"
 
 proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$WORK/idemproxy.db\"
 ${STORE_EXTRA:-}" > "$WORK/proxy.toml"
