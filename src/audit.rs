@@ -100,7 +100,9 @@ async fn write_rows(
 /// durations and the latest expiry. A retry storm — a client, a webhook sender or a hostile
 /// caller replaying one key tens of thousands of times a second — otherwise wrote a row per
 /// replay, and those rows were a fifth of a replay's cost and most of the store's writes. Each
-/// key's rows keep their order; rows of different keys are never merged.
+/// key's rows keep their order; rows of different keys are never merged. A row carries no
+/// credential scope, so two callers replaying the same key text with the same body may share
+/// one — rows that were indistinguishable but for their times before folding too.
 fn fold(rows: Vec<AuditRow>) -> Vec<AuditRow> {
     let mut out: Vec<AuditRow> = Vec::with_capacity(rows.len());
     // Each (upstream, route, key)'s latest row in `out`, by a hash checked on use.

@@ -366,7 +366,8 @@ async fn retention_expires_keys_and_audit_rows_unless_the_route_keeps_them() {
 
 /// A retry storm: 200 concurrent replays of one key. The upstream sees one POST; the audit
 /// trail counts every request (`requests` summed over the key's rows, read from the store's
-/// file), in no more rows than requests — one key's alike replays share a row.
+/// file): folding one key's alike replays into shared rows loses none of them. (That they do
+/// fold is shown deterministically by the auditor's own test, `audit::tests`.)
 #[tokio::test]
 async fn a_replay_storm_is_counted_whole_in_the_audit_trail() {
     let upstream = RecordingUpstream::start().await;
@@ -403,7 +404,6 @@ async fn a_replay_storm_is_counted_whole_in_the_audit_trail() {
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     };
     assert_eq!(requests, 200, "every replay counted once ({rows} rows)");
-    assert!(rows <= requests);
     let forwarded: i64 = db
         .query_row(
             "SELECT sum(requests) FROM idem_audit WHERE key = 'storm-1' AND decision = 'forwarded'",
