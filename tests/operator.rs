@@ -388,21 +388,17 @@ async fn a_replay_storm_is_counted_whole_in_the_audit_trail() {
     assert_eq!(upstream.count(), 1, "one forward");
 
     let db = rusqlite::Connection::open(proxy.dir.db_path()).unwrap();
-    let deadline = Instant::now() + WAIT;
-    let (rows, requests) = loop {
-        let (rows, requests): (i64, i64) = db
-            .query_row(
-                "SELECT count(*), coalesce(sum(requests), 0) FROM idem_audit \
-                 WHERE key = 'storm-1' AND decision = 'replayed'",
-                [],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .unwrap();
-        if requests >= 200 || Instant::now() >= deadline {
-            break (rows, requests);
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    let replayed = || -> (i64, i64) {
+        db.query_row(
+            "SELECT count(*), coalesce(sum(requests), 0) FROM idem_audit \
+             WHERE key = 'storm-1' AND decision = 'replayed'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap()
     };
+    wait_until(|| replayed().1 >= 200, WAIT, "200 replays are audited").await;
+    let (rows, requests) = replayed();
     assert_eq!(requests, 200, "every replay counted once ({rows} rows)");
     let forwarded: i64 = db
         .query_row(
