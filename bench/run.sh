@@ -7,6 +7,8 @@
 #   - first write:  POSTs with a fresh key each (reserve durably, forward, store durably),
 #                   at CONN connections and at 1 connection (p50 beside the upstream's own),
 #   - first write with an entity per customer (adds the entity lock), on both stores.
+#   - forward alone: a GET no route protects, through nginx and through the proxy: hyper's
+#                   server and client with none of the proxy's own work, the ceiling of the rest.
 # Each row also gives the server side's CPU per request, from /proc: the proxy's threads (and,
 # on PostgreSQL, the database's processes), or for the nginx rows nginx's one worker, which
 # serves both the baseline proxy and the upstream. A ratio depends on how much of the two cores
@@ -134,6 +136,8 @@ for RUN in $(seq "$RUNS"); do
   [ "$RUNS" = 1 ] || echo "-- run $RUN of $RUNS"
   run nginx "nginx proxy (POST)" "http://127.0.0.1:$NGX/api/v1/charges" bench/replay.lua
   run replay "idemproxy replay" "http://127.0.0.1:$PROXY/api/v1/charges" bench/replay.lua
+  run nginxget "nginx proxy (GET)" "http://127.0.0.1:$NGX/api/v1/charges" bench/get.lua
+  run forward "idemproxy forward (GET, unprotected)" "http://127.0.0.1:$PROXY/api/v1/charges" bench/get.lua
   run first "idemproxy first write" "http://127.0.0.1:$PROXY/api/v1/charges" bench/first_write.lua
   run entity "idemproxy first write + entity" "http://127.0.0.1:$PROXY/api/v2/charges" "$WORK/first_write_entity.lua"
   one direct1 "upstream direct, 1 conn" "http://127.0.0.1:$UP/api/v1/charges" bench/first_write.lua
@@ -182,6 +186,15 @@ for name, key, goal in ((f"replay, {conn} connections", "replay", ">= 1.5x nginx
     if runs > 1 and m is not None:
         cell += " — runs " + ", ".join(f"{x:.2f}x" for x in ratios)
     print(f"| {name} | {med(bases):,.0f} req/s, {med([cpu('nginx', i) for i in each]):.0f} us CPU | {cell} | {goal} |")
+# The ceiling: a forward alone (no key, no store), beside nginx forwarding the same GET.
+fw = [r("forward", i) for i in each]
+gb = [r("nginxget", i) for i in each]
+fr = [v / b if v is not None and b else None for v, b in zip(fw, gb)]
+if med(fr) is not None:
+    cell = f"{med(fw):,.0f} ({med(fr):.2f}x nginx, {med([cpu('forward', i) for i in each]):.0f} us CPU)"
+    if runs > 1:
+        cell += " — runs " + ", ".join(f"{x:.2f}x" for x in fr if x is not None)
+    print(f"| forward alone (GET, unprotected), {conn} connections | {med(gb):,.0f} req/s, {med([cpu('nginxget', i) for i in each]):.0f} us CPU | {cell} | (the ceiling of the rows above) |")
 d = med([ms("direct1", i) for i in each])
 for name, key, goal in (("SQLite", "first1", "<= direct + 0.3 ms"), ("PostgreSQL", "pgfirst1", "<= 0.8 ms")):
     vs = [ms(key, i) for i in each]

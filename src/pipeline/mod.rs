@@ -99,7 +99,9 @@ pub async fn run(
         // forward and the stored outcome follow even if the client hangs up meanwhile. The
         // answer may come back before the job ends (before its outcome commits: see `store`).
         let (reply, detached) = tokio::sync::oneshot::channel();
-        state.tracker.spawn(reserve_forward_store(ctx, reply));
+        // Boxed: the task's cell then holds a pointer, not the job's ~5 KB state machine,
+        // which spawning and finishing the task would otherwise copy several times over.
+        state.tracker.spawn(Box::pin(reserve_forward_store(ctx, reply)));
         match detached.await {
             Ok(Detached::Finished(answer)) => return answer,
             // Another replica reserved the key between our look-up and our reservation.
