@@ -101,7 +101,9 @@ pub async fn run(
         let (reply, detached) = tokio::sync::oneshot::channel();
         // Boxed: the task's cell then holds a pointer, not the job's ~5 KB state machine,
         // which spawning and finishing the task would otherwise copy several times over.
-        state.tracker.spawn(Box::pin(reserve_forward_store(ctx, reply)));
+        state
+            .tracker
+            .spawn(Box::pin(reserve_forward_store(ctx, reply)));
         match detached.await {
             Ok(Detached::Finished(answer)) => return answer,
             // Another replica reserved the key between our look-up and our reservation.
