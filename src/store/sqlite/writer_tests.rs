@@ -1,0 +1,104 @@
+//! Tests of [`super`]: which writes share a transaction, seen from a second connection.
+
+use super::*;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+
+/// A writer on a fresh database with one table, and the database's path.
+fn writer(linger: Duration) -> (tempfile::TempDir, std::path::PathBuf, Writer) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w.db");
+    let conn = Connection::open(&path).unwrap();
+    conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+    conn.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY)")
+        .unwrap();
+    let w = Writer::lingering(conn, None, None, linger).unwrap();
+    (dir, path, w)
+}
+
+/// Whether row `id` is visible to a connection of its own (that is, committed).
+fn committed(path: &std::path::Path, id: i64) -> bool {
+    let c = Connection::open(path).unwrap();
+    c.query_row("SELECT count(*) FROM t WHERE id = ?1", [id], |r| {
+        r.get::<_, i64>(0)
+    })
+    .unwrap()
+        == 1
+}
+
+fn insert(id: i64) -> impl FnOnce(&Ctx) -> StoreResult<()> + Send + 'static {
+    move |ctx| {
+        ctx.conn.execute("INSERT INTO t (id) VALUES (?1)", [id])?;
+        Ok(())
+    }
+}
+
+/// Polls `f` once, which queues its job (the queue has room), and returns it to await later:
+/// the order the jobs reach the writer is the order of these calls.
+fn queued<F: Future>(f: F) -> Pin<Box<F>> {
+    let mut f = Box::pin(f);
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(matches!(f.as_mut().poll(&mut cx), Poll::Pending));
+    f
+}
+
+/// Waits until the writer has taken every queued job (it is then gathering or running them).
+async fn taken(w: &Writer) {
+    while !w.tx.is_empty() {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// A guard against a hang, not a synchronization: every reply here comes at once or not at all.
+async fn within<T>(f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), f)
+        .await
+        .expect("the writer never answered")
+}
+
+#[tokio::test]
+async fn an_outcome_shares_the_transaction_of_the_next_reservation() {
+    // An hour's linger: only the waited-on write can end it.
+    let (_dir, path, w) = writer(Duration::from_secs(3600));
+    let outcome = queued(w.write_heard(Heard::Committed, insert(1)));
+    // The outcome is with the writer before the reservation is queued: without the linger
+    // it would commit alone.
+    within(taken(&w)).await;
+    let path2 = path.clone();
+    let reservation = queued(w.write(move |ctx| {
+        insert(2)(ctx)?;
+        // Row 1 was written in this same transaction: nobody else sees it yet.
+        Ok(committed(&path2, 1))
+    }));
+    within(outcome).await.unwrap();
+    assert!(!within(reservation).await.unwrap());
+    assert!(committed(&path, 1) && committed(&path, 2));
+}
+
+#[tokio::test]
+async fn a_lone_outcome_commits_after_the_linger() {
+    let (_dir, path, w) = writer(Duration::from_millis(1));
+    within(w.write_heard(Heard::Committed, insert(1)))
+        .await
+        .unwrap();
+    assert!(committed(&path, 1));
+}
+
+#[tokio::test]
+async fn closing_commits_a_lingering_outcome() {
+    let (_dir, path, w) = writer(Duration::from_secs(3600));
+    let outcome = queued(w.write_heard(Heard::Committed, insert(1)));
+    within(taken(&w)).await;
+    within(w.close()).await;
+    within(outcome).await.unwrap();
+    assert!(committed(&path, 1));
+}
+
+#[tokio::test]
+async fn waited_on_writes_do_not_linger() {
+    // The reservation alone commits at once: an hour's linger never applies to it.
+    let (_dir, path, w) = writer(Duration::from_secs(3600));
+    within(w.write(insert(1))).await.unwrap();
+    assert!(committed(&path, 1));
+}
