@@ -13,7 +13,7 @@ fn writer(linger: Duration) -> (tempfile::TempDir, std::path::PathBuf, Writer) {
     conn.pragma_update(None, "journal_mode", "WAL").unwrap();
     conn.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY)")
         .unwrap();
-    let w = Writer::lingering(conn, None, None, linger).unwrap();
+    let w = Writer::lingering(conn, None, None, Linger::Always(linger)).unwrap();
     (dir, path, w)
 }
 
@@ -93,6 +93,25 @@ async fn closing_commits_a_lingering_outcome() {
     within(w.close()).await;
     within(outcome).await.unwrap();
     assert!(committed(&path, 1));
+}
+
+#[tokio::test]
+async fn outcomes_do_not_linger_while_the_disk_is_idle() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("w.db");
+    let conn = Connection::open(&path).unwrap();
+    conn.pragma_update(None, "journal_mode", "WAL").unwrap();
+    conn.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY)")
+        .unwrap();
+    // No `fdatasync` under way: an hour's linger never applies.
+    let syncer = super::super::durable::Syncer::start(&path).unwrap();
+    let linger = Linger::WhileSyncing(Duration::from_secs(3600));
+    let w = Writer::lingering(conn, None, Some(syncer), linger).unwrap();
+    within(w.write_heard(Heard::Committed, insert(1)))
+        .await
+        .unwrap();
+    assert!(committed(&path, 1));
+    within(w.close()).await;
 }
 
 #[tokio::test]
