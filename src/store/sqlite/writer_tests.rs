@@ -5,16 +5,23 @@ use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 
-/// A writer on a fresh database with one table, and the database's path.
-fn writer(linger: Duration) -> (tempfile::TempDir, std::path::PathBuf, Writer) {
+/// A writer on a fresh database with one table, and the database's path; with `syncing`, a
+/// syncer on its WAL, idle (nothing is waiting for it).
+fn writer_with(linger: Linger, syncing: bool) -> (tempfile::TempDir, std::path::PathBuf, Writer) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("w.db");
     let conn = Connection::open(&path).unwrap();
     conn.pragma_update(None, "journal_mode", "WAL").unwrap();
     conn.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY)")
         .unwrap();
-    let w = Writer::lingering(conn, None, None, Linger::Always(linger)).unwrap();
+    let syncer = syncing.then(|| super::super::durable::Syncer::start(&path).unwrap());
+    let w = Writer::lingering(conn, None, syncer, linger).unwrap();
     (dir, path, w)
+}
+
+/// A writer whose writes heard of at their commit always linger up to `linger`.
+fn writer(linger: Duration) -> (tempfile::TempDir, std::path::PathBuf, Writer) {
+    writer_with(Linger::Always(linger), false)
 }
 
 /// Whether row `id` is visible to a connection of its own (that is, committed).
@@ -97,16 +104,9 @@ async fn closing_commits_a_lingering_outcome() {
 
 #[tokio::test]
 async fn outcomes_do_not_linger_while_the_disk_is_idle() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("w.db");
-    let conn = Connection::open(&path).unwrap();
-    conn.pragma_update(None, "journal_mode", "WAL").unwrap();
-    conn.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY)")
-        .unwrap();
     // No `fdatasync` under way: an hour's linger never applies.
-    let syncer = super::super::durable::Syncer::start(&path).unwrap();
     let linger = Linger::WhileSyncing(Duration::from_secs(3600));
-    let w = Writer::lingering(conn, None, Some(syncer), linger).unwrap();
+    let (_dir, path, w) = writer_with(linger, true);
     within(w.write_heard(Heard::Committed, insert(1)))
         .await
         .unwrap();
