@@ -10,13 +10,14 @@
 //! writes, the async writer (sqlx, which hands each statement to a worker thread) spent about
 //! half of its serial time waiting for those hand-offs.
 //!
-//! Writes nobody waits on for durability (an answered request's outcome, audit rows) that come
-//! while an `fdatasync` is under way linger briefly for one that is waited on (a reservation)
-//! and share its transaction: under load one is always near. Each transaction rewrites the
-//! pages it touches in the WAL, so at 64 concurrent first writes this halved the transactions
-//! and cut the bytes written per request by a quarter. With the disk idle (a lone client) an
-//! outcome commits at once, while its caller reads the answer, rather than on the critical
-//! path of the next request's reservation.
+//! Writes nobody waits on for durability (an answered request's outcome, audit rows), taken
+//! while the syncer is busy (an `fdatasync` under way, or replies waiting for one), linger
+//! briefly for one that is waited on (a reservation) and share its transaction: under load one
+//! is always near. Each transaction rewrites the pages it touches in the WAL, so at 64
+//! concurrent first writes this halved the transactions and cut the bytes written per request
+//! by about a fifth. With the syncer idle (a lone client, mostly) an outcome commits at once,
+//! while its caller reads the answer, rather than on the critical path of the next request's
+//! reservation.
 
 use super::durable::{Delivery, Syncer};
 use crate::store::{
@@ -31,8 +32,10 @@ use tokio::sync::oneshot;
 const MAX_BATCH: usize = 256;
 
 /// How long writes heard of at their commit ([`Heard::Committed`]) wait for a write that is
-/// waited on, to share its transaction. Only the key's slot waits meanwhile: the answer went
-/// out already, and a retry is served from the replay cache.
+/// waited on, to share its transaction. The answer went out already; what waits up to this
+/// much longer is what waits for the commit: the key's slot (a retry is served from the replay
+/// cache), the entity locks of an answer with no entity effects (a non-2xx on an entity route),
+/// the operator's views that wait for answered outcomes to settle, the audit flusher.
 const LINGER: Duration = Duration::from_millis(1);
 
 /// When writes heard of at their commit linger, and for how long at most.
@@ -46,10 +49,11 @@ enum Linger {
 }
 
 impl Linger {
-    /// Whether to wait, and for how long at most.
-    fn wait(self, syncer: Option<&Syncer>) -> Option<Duration> {
+    /// Whether to wait, and for how long at most; `syncing` says whether the syncer is busy
+    /// (asked only when it matters).
+    fn wait(self, syncing: impl FnOnce() -> bool) -> Option<Duration> {
         match self {
-            Linger::WhileSyncing(d) => syncer.is_some_and(Syncer::busy).then_some(d),
+            Linger::WhileSyncing(d) => syncing().then_some(d),
             #[cfg(test)]
             Linger::Always(d) => Some(d),
         }
@@ -205,7 +209,7 @@ fn run(
     let mut jobs: Vec<(Job, Heard)> = Vec::with_capacity(MAX_BATCH);
     let mut closing = None;
     while let Ok(first) = rx.recv() {
-        let linger = || linger.wait(syncer.as_ref());
+        let linger = || linger.wait(|| syncer.as_ref().is_some_and(Syncer::busy));
         gather(first, &rx, &mut jobs, &mut closing, linger);
         if !jobs.is_empty() {
             let ctx = Ctx {

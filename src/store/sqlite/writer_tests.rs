@@ -42,7 +42,8 @@ fn insert(id: i64) -> impl FnOnce(&Ctx) -> StoreResult<()> + Send + 'static {
 }
 
 /// Polls `f` once, which queues its job (the queue has room), and returns it to await later:
-/// the order the jobs reach the writer is the order of these calls.
+/// the order the jobs reach the writer is the order of these calls. Only for writes that
+/// linger for an hour: their reply cannot have come by the end of that poll.
 fn queued<F: Future>(f: F) -> Pin<Box<F>> {
     let mut f = Box::pin(f);
     let mut cx = Context::from_waker(Waker::noop());
@@ -73,13 +74,14 @@ async fn an_outcome_shares_the_transaction_of_the_next_reservation() {
     // it would commit alone.
     within(taken(&w)).await;
     let path2 = path.clone();
-    let reservation = queued(w.write(move |ctx| {
+    let reservation = w.write(move |ctx| {
         insert(2)(ctx)?;
         // Row 1 was written in this same transaction: nobody else sees it yet.
         Ok(committed(&path2, 1))
-    }));
-    within(outcome).await.unwrap();
-    assert!(!within(reservation).await.unwrap());
+    });
+    let (outcome, reservation) = within(async { tokio::join!(outcome, reservation) }).await;
+    outcome.unwrap();
+    assert!(!reservation.unwrap());
     assert!(committed(&path, 1) && committed(&path, 2));
 }
 
@@ -120,4 +122,12 @@ async fn waited_on_writes_do_not_linger() {
     let (_dir, path, w) = writer(Duration::from_secs(3600));
     within(w.write(insert(1))).await.unwrap();
     assert!(committed(&path, 1));
+}
+
+#[test]
+fn outcomes_linger_only_while_the_syncer_is_busy() {
+    let d = Duration::from_millis(1);
+    assert_eq!(Linger::WhileSyncing(d).wait(|| true), Some(d));
+    assert_eq!(Linger::WhileSyncing(d).wait(|| false), None);
+    assert_eq!(Linger::Always(d).wait(|| unreachable!()), Some(d));
 }
