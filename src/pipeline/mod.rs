@@ -64,7 +64,10 @@ pub async fn run(
     let observe = route.mode == Mode::Observe;
     let prepared = match plan {
         Ok(plan) => prepare::step(&mut ctx, plan, (params, canonical), target, req).await,
-        Err(e) if observe => return observe::passthrough(ctx, &e, target, req).await,
+        // Observe mode's paths are boxed, as the reconcile is: each holds a whole forward and
+        // its stored outcome (~5 KB), and every request's future (boxed, copied in) would
+        // otherwise carry room for them.
+        Err(e) if observe => return Box::pin(observe::passthrough(ctx, &e, target, req)).await,
         Err(e) => Err(e),
     };
     if observe {
@@ -72,7 +75,7 @@ pub async fn run(
             Ok(()) => ctx.build_outgoing(target).err(),
             Err(e) => Some(e),
         };
-        return observe::run(ctx, refused).await;
+        return Box::pin(observe::run(ctx, refused)).await;
     }
     if let Err(e) = prepared {
         return ctx.finish(Outcome::Refused(e));
