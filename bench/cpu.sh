@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Where a workload's CPU goes, per request: every process on the machine (the ones started
 # during the run too: PostgreSQL backends, wrk), each thread of one process with its
-# voluntary and involuntary context switches, and the machine's user/system/idle split. The
-# proxy, nginx or PostgreSQL must already be running: this only drives them and reads /proc.
+# voluntary and involuntary context switches, and the machine's user/system/idle split, with
+# the time the hypervisor took the vCPUs away (steal: near zero on this VM even in its slow
+# phases). The proxy, nginx or PostgreSQL must already be running: this only drives them and
+# reads /proc.
 # Usage: bench/cpu.sh PID URL [script] [seconds] [connections]
 #   e.g. bench/cpu.sh "$(pgrep -f 'idemproxy serve')" http://127.0.0.1:8080/api/v1/charges
 # Figures are µs of CPU (or switches) per completed request; one run is one sample of a
@@ -39,6 +41,6 @@ echo "-- threads of $PID (µs user, µs system, voluntary and involuntary switch
 join <(sort "$T/t0") <(sort "$T/t1") | awk -v n="$n" -v t="$tick" '{u[$2] += $8 - $3; s[$2] += $9 - $4; v[$2] += $10 - $5; i[$2] += $11 - $6}
   END {for (k in u) if (u[k] + s[k] + v[k] > 0) printf "%-20s %7.2f %7.2f %6.2f %6.2f\n", k, u[k] * 1e6 / t / n, s[k] * 1e6 / t / n, v[k] / n, i[k] / n}' | sort
 paste "$T/s0" "$T/s1" | awk -v n="$n" -v t="$tick" '{k = 1e6 / t / n
-  printf "-- machine (µs per request): user %.1f, system %.1f, softirq %.1f, idle %.1f, iowait %.1f\n",
-    ($13 - $2) * k, ($15 - $4) * k, ($19 - $8) * k, ($16 - $5) * k, ($17 - $6) * k}'
+  printf "-- machine (µs per request): user %.1f, system %.1f, softirq %.1f, idle %.1f, iowait %.1f, steal %.1f\n",
+    ($13 - $2) * k, ($15 - $4) * k, ($19 - $8) * k, ($16 - $5) * k, ($17 - $6) * k, ($20 - $9) * k}'
 echo "-- context switches per request, whole machine: $(echo "scale=2; ($(cat "$T/c1") - $(cat "$T/c0")) / $n" | bc)"
