@@ -18,6 +18,13 @@
 # RUNS=N repeats the whole set N times (the same proxies, their stores growing) and prints each
 # row's median: every ratio is still taken within one run, beside that run's nginx. This VM's
 # speed drifts by 10-20% within minutes, so one run is one sample.
+# WRK_SCHED=batch runs wrk under SCHED_BATCH (chrt -b), for every row alike: the load generator
+# then no longer preempts the server it has just been answered by. With wrk at the default
+# policy, every response the proxy writes wakes a wrk thread that takes the proxy's core at
+# once (~4k times a second at 64 connections); nginx, one process serving both the baseline
+# proxy and its upstream, is hit far less. In production the clients are not on the proxy's
+# cores, so this shows what the co-located load generator costs; the issue's table is measured
+# with the default policy (see docs/benchmark.md, sixteenth session).
 # STORE_EXTRA adds lines to both proxies' [store] table, e.g.
 #   STORE_EXTRA="encryption_key = \"$(openssl rand -base64 32)\"" bench/run.sh
 # to measure with stored answers encrypted.
@@ -41,6 +48,11 @@ trap cleanup EXIT
 
 . bench/lib.sh
 need wrk nginx
+case "${WRK_SCHED:-other}" in
+  other) WRK=wrk ;;
+  batch) need chrt; WRK="chrt -b 0 wrk" ;;
+  *) echo "WRK_SCHED is other or batch" >&2; exit 2 ;;
+esac
 UP=$(free_port); NGX=$(free_port); PROXY=$(free_port); ADMIN=$(free_port)
 PGPORT=$(free_port); PGPROXY=$(free_port); PGADMIN=$(free_port)
 # The baseline: a plain reverse proxy with pooled upstream connections.
@@ -103,7 +115,7 @@ run() { # id label url script
   pids=$(served_by "$2")
   # shellcheck disable=SC2086
   before=$(cpu_ticks $pids)
-  out=$(wrk -t$THREADS -c"$CONN" -d"${DUR}s" --latency -s "$3" "$2")
+  out=$($WRK -t$THREADS -c"$CONN" -d"${DUR}s" --latency -s "$3" "$2")
   # shellcheck disable=SC2086
   after=$(cpu_ticks $pids)
   local rps p50 p99 errors n cpu
@@ -129,7 +141,7 @@ one() { # id label url: one connection, the p50 is what counts
 }
 
 sed 's#/api/v1/charges#/api/v2/charges#' bench/first_write.lua > "$WORK/first_write_entity.lua"
-echo "wrk: $THREADS threads, $CONN connections, ${DUR}s each; $(nproc) cores; nginx: 1 worker; idemproxy: ${PROXY_WORKERS:-its default number of} workers (PROXY_WORKERS)"
+echo "wrk: $THREADS threads, $CONN connections, ${DUR}s each, scheduling policy ${WRK_SCHED:-other}; $(nproc) cores; nginx: 1 worker; idemproxy: ${PROXY_WORKERS:-its default number of} workers (PROXY_WORKERS)"
 curl -fs -X POST -H 'Content-Type: application/json' -H 'Idempotency-Key: bench-replay-1' \
   -d '{"amount":100,"currency":"usd","customer":"cus_1"}' "http://127.0.0.1:$PROXY/api/v1/charges" >/dev/null
 for RUN in $(seq "$RUNS"); do
