@@ -48,9 +48,10 @@ trap cleanup EXIT
 
 . bench/lib.sh
 need wrk nginx
+# The command that runs wrk, as words (chrt comes with util-linux).
 case "${WRK_SCHED:-other}" in
-  other) WRK=wrk ;;
-  batch) need chrt; WRK="chrt -b 0 wrk" ;;
+  other) WRK=(wrk) ;;
+  batch) WRK=(chrt -b 0 wrk) ;;
   *) echo "WRK_SCHED is other or batch" >&2; exit 2 ;;
 esac
 UP=$(free_port); NGX=$(free_port); PROXY=$(free_port); ADMIN=$(free_port)
@@ -115,7 +116,7 @@ run() { # id label url script
   pids=$(served_by "$2")
   # shellcheck disable=SC2086
   before=$(cpu_ticks $pids)
-  out=$($WRK -t$THREADS -c"$CONN" -d"${DUR}s" --latency -s "$3" "$2")
+  out=$("${WRK[@]}" -t$THREADS -c"$CONN" -d"${DUR}s" --latency -s "$3" "$2")
   # shellcheck disable=SC2086
   after=$(cpu_ticks $pids)
   local rps p50 p99 errors n cpu
