@@ -27,13 +27,15 @@
 //!   entity states, audit), SQLite (one process; a writer thread with group commit, its
 //!   fsync pipelined on a thread of its own: `store::sqlite::durable`, each commit's WAL
 //!   frames written in one call: `store::sqlite::walbuf`, the request path's reads on the
-//!   caller's thread: `store::sqlite::reader`) and PostgreSQL (replicas, leases, NOTIFY;
-//!   statements batched, `store::postgres::batch` — entity leases too,
+//!   caller's thread: `store::sqlite::reader`, outcomes nobody waits on taken into the next
+//!   batch without waking the writer: `store::sqlite::deferred`) and PostgreSQL (replicas,
+//!   leases, NOTIFY; statements batched, `store::postgres::batch` — entity leases too,
 //!   `store::postgres::leases` — and on connections kept between them,
-//!   `store::postgres::kept`) backends, the replay cache as a layer in front of either (which also
-//!   holds answers given before their commit, `store::settling`), and stored answers sealed
-//!   at rest (`store::seal`, AES-256-GCM) when an encryption key is set; a key's identity,
-//!   shared and hashed once, is `store::id`.
+//!   `store::postgres::kept`) backends, the replay cache as a layer in front of either
+//!   (`store::cached`, its entries `store::replay_cache`; it also holds answers given before
+//!   their commit, `store::settling`), and stored answers sealed at rest (`store::seal`,
+//!   AES-256-GCM) when an encryption key is set; a key's identity, shared and hashed once, is
+//!   `store::id`.
 //! - [`audit`]: the audit trail (batched, off the request path) and retention purging.
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
 //! - [`metrics`]: counters shared by the pipeline and the admin listener.

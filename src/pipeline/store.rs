@@ -12,7 +12,9 @@
 use super::outcome::{Answer, Outcome};
 use super::{Ctx, Detached, Reply};
 use crate::error::{ErrorKind, ProxyError};
-use crate::store::{after_ms, Effects, Finish, StoredResponse, OMITTED_BODY};
+use crate::store::{
+    after_ms, Effects, Finish, ScopedKey, StoreResult, StoredResponse, OMITTED_BODY,
+};
 use crate::upstream::Outcome as Called;
 use std::sync::Arc;
 
@@ -31,7 +33,14 @@ pub(super) async fn step(mut ctx: Ctx, called: Called, reply: Reply) {
     let answer = ctx.answer(outcome);
     ctx.conclude(&decision);
     let _ = reply.send(Detached::Finished(answer));
-    record(&mut ctx, finish).await;
+    match ctx.entity_guards.is_empty() && ctx.leases.is_none() {
+        true => {
+            if let Some(pending) = record_later(&mut ctx, finish) {
+                pending.await;
+            }
+        }
+        false => record(&mut ctx, finish).await,
+    }
 }
 
 /// Step 7 in observe mode (which answers after it): the outcome, stored.
@@ -88,18 +97,38 @@ fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> bool {
 /// the key's slot.
 pub(super) async fn record(ctx: &mut Ctx, finish: Finish) {
     let (state, id) = (&ctx.state, &ctx.p.id);
-    match state.store.finish(id, ctx.epoch, finish).await {
+    let stored = state.store.finish(id, ctx.epoch, finish).await;
+    heard(&state.stats, id, stored);
+    ctx.release_entities().await;
+    ctx.slot = None;
+}
+
+/// [`record`] of an answer already given, when nothing but the key's slot is held: the store
+/// takes the outcome without this task waiting for it, and the slot is let go once it is
+/// stored, wherever the store hears of that (SQLite: the writer's thread, see
+/// `store::sqlite::deferred`). `Some`: the store handed the write back, to be awaited here.
+fn record_later(ctx: &mut Ctx, finish: Finish) -> Option<crate::store::Pending> {
+    let (stats, id, slot) = (ctx.state.stats.clone(), ctx.p.id.clone(), ctx.slot.take());
+    let then = Box::new(move |stored| {
+        heard(&stats, &id, stored);
+        drop(slot);
+    });
+    let store = ctx.state.store.clone();
+    store.finish_answered_later(ctx.p.id.clone(), ctx.epoch, finish, then)
+}
+
+/// What a stored outcome's write came to, logged and counted.
+fn heard(stats: &crate::metrics::Stats, id: &ScopedKey, stored: StoreResult<bool>) {
+    match stored {
         Ok(true) => {}
         Ok(false) => {
             tracing::warn!(key = %id.key, "our reservation was taken over; the answer was not stored")
         }
         Err(e) => {
-            state.stats.on_store_error();
+            stats.on_store_error();
             tracing::error!(key = %id.key, error = %e, "could not store the upstream's answer; the key will read as unknown");
         }
     }
-    ctx.release_entities().await;
-    ctx.slot = None;
 }
 
 /// What the forward's ending means for the request (nothing stored yet).

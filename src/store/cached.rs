@@ -9,110 +9,12 @@
 //! hear it is seen within [`FRESH_FOR_MS`], after which an entry is read again. Memory is
 //! bounded by bytes (quick_cache's S3-FIFO evicts).
 
+use super::replay_cache::Entries;
+pub use super::replay_cache::{CachedAnswer, FRESH_FOR_MS};
 use super::settling::Settling;
 use super::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-
-/// How long an entry is trusted before the store is asked again.
-pub const FRESH_FOR_MS: i64 = 5_000;
-/// Bounds for the whole cache.
-const MAX_ENTRIES: usize = 65_536;
-const MAX_BYTES: u64 = 64 << 20;
-
-/// A completed answer, as replays need it.
-pub struct CachedAnswer {
-    pub fingerprint: String,
-    pub response: Arc<StoredResponse>,
-    expires_at: i64,
-    fresh_until: i64,
-    bytes: u64,
-}
-
-#[derive(Clone)]
-struct ByBytes;
-
-impl quick_cache::Weighter<ScopedKey, Arc<CachedAnswer>> for ByBytes {
-    fn weight(&self, _id: &ScopedKey, entry: &Arc<CachedAnswer>) -> u64 {
-        entry.bytes
-    }
-}
-
-/// The answers and the recent releases.
-struct Entries {
-    answers: quick_cache::sync::Cache<ScopedKey, Arc<CachedAnswer>, ByBytes>,
-    /// Keys released lately, with when: a read that started before a release must not put
-    /// the released answer back (tombstones live as long as an entry would). A std mutex: a
-    /// map look-up or insert, never held across an await.
-    released: Mutex<HashMap<String, i64, ahash::RandomState>>,
-}
-
-impl Entries {
-    fn get(&self, id: &ScopedKey) -> Option<Arc<CachedAnswer>> {
-        let hit = self.answers.get(id)?;
-        let now = now_ms();
-        if hit.fresh_until > now && hit.expires_at > now {
-            return Some(hit);
-        }
-        self.answers.remove(id);
-        None
-    }
-
-    /// `false` when the answer stays out (released lately, or too large).
-    fn put(
-        &self,
-        id: &ScopedKey,
-        fingerprint: &str,
-        response: Arc<StoredResponse>,
-        expires_at: i64,
-    ) -> bool {
-        // Held until the entry is in: a release cannot slip between the check and the insert.
-        let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
-        if !released.is_empty() {
-            let now = now_ms();
-            released.retain(|_, at| *at + FRESH_FOR_MS > now);
-            if released.contains_key(&id.key) {
-                return false;
-            }
-        }
-        // What the entry costs the allocator, not just its data: each header is a `String` and a
-        // `Bytes` (about 100 bytes of bookkeeping with allocator rounding), and the key, the
-        // fingerprint, the answer and the cache's own slot about 600 more.
-        let headers: usize = response
-            .headers
-            .iter()
-            .map(|(n, v)| n.len() + v.len() + 100)
-            .sum();
-        let strings = id.upstream.len() + id.scope.len() + id.key.len() + fingerprint.len();
-        let bytes = (response.body.len() + headers + strings + 600) as u64;
-        if bytes > MAX_BYTES / 64 {
-            return false;
-        }
-        let entry = CachedAnswer {
-            fingerprint: fingerprint.to_owned(),
-            response,
-            expires_at,
-            fresh_until: now_ms() + FRESH_FOR_MS,
-            bytes,
-        };
-        self.answers.insert(id.clone(), Arc::new(entry));
-        drop(released);
-        true
-    }
-
-    /// Drops every entry of `key` (any upstream or scope), or everything (`None`: releases may
-    /// have been missed).
-    fn forget(&self, key: Option<&str>) {
-        match key {
-            Some(key) => {
-                let mut released = self.released.lock().unwrap_or_else(|p| p.into_inner());
-                released.insert(key.to_owned(), now_ms());
-                self.answers.retain(|id, _| id.key != key);
-            }
-            None => self.answers.clear(),
-        }
-    }
-}
 
 /// A store with the replay cache in front of it.
 pub struct CachedStore {
@@ -126,12 +28,54 @@ pub struct CachedStore {
     settling: Settling,
 }
 
+/// What [`CachedStore`] does once an outcome's write is over (see [`CachedStore::settle`]).
+struct Plan {
+    completed: Option<(Arc<StoredResponse>, i64)>,
+    fingerprint: Option<String>,
+    answered: Option<u64>,
+}
+
 impl CachedStore {
+    /// What the cache needs to know of an outcome before it is written.
+    fn plan(&self, id: &ScopedKey, outcome: &Finish) -> Plan {
+        let completed = match outcome {
+            Finish::Completed {
+                response,
+                expires_at,
+                ..
+            } => Some((response.clone(), *expires_at)),
+            _ => None,
+        };
+        let (fingerprint, answered) = self.reserved_fingerprint(id).unzip();
+        Plan {
+            completed,
+            fingerprint,
+            answered: answered.flatten(),
+        }
+    }
+
+    /// The cache once the outcome's write is over (on whichever thread heard of it).
+    fn settle(&self, id: &ScopedKey, plan: Plan, stored: &StoreResult<bool>) {
+        match (stored, plan.completed, plan.fingerprint) {
+            // (An answer remembered before the commit is in already.)
+            (Ok(true), Some((response, expires_at)), Some(fp)) if plan.answered.is_none() => {
+                self.entries.put(id, &fp, response, expires_at);
+            }
+            (Ok(true), ..) => {}
+            // Answered from the cache before a commit that did not store it: the store says
+            // in flight (unknown after a restart), and so must the cache.
+            _ if plan.answered.is_some() => {
+                self.entries.answers.remove(id);
+            }
+            _ => {}
+        }
+        if let Some(n) = plan.answered {
+            self.settling.end(n);
+        }
+    }
+
     pub fn wrap(inner: Arc<dyn Store>) -> Arc<dyn Store> {
-        let entries = Arc::new(Entries {
-            answers: quick_cache::sync::Cache::with_weighter(MAX_ENTRIES, MAX_BYTES, ByBytes),
-            released: Mutex::default(),
-        });
+        let entries = Arc::new(Entries::new());
         let heard = entries.clone();
         inner.observe_releases(Arc::new(move |key| heard.forget(key)));
         Arc::new(CachedStore {
@@ -170,37 +114,30 @@ impl Keys for CachedStore {
         Ok(reserved)
     }
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        let completed = match &outcome {
-            Finish::Completed {
-                response,
-                expires_at,
-                ..
-            } => Some((response.clone(), *expires_at)),
-            _ => None,
-        };
-        let (fingerprint, answered) = self.reserved_fingerprint(id).unzip();
-        let answered = answered.flatten();
-        let stored = match answered {
+        let plan = self.plan(id, &outcome);
+        let stored = match plan.answered {
             Some(_) => self.inner.finish_answered(id, epoch, outcome).await,
             None => self.inner.finish(id, epoch, outcome).await,
         };
-        match (&stored, completed, fingerprint) {
-            // (An answer remembered before the commit is in already.)
-            (Ok(true), Some((response, expires_at)), Some(fp)) if answered.is_none() => {
-                self.entries.put(id, &fp, response, expires_at);
-            }
-            (Ok(true), ..) => {}
-            // Answered from the cache before a commit that did not store it: the store says
-            // in flight (unknown after a restart), and so must the cache.
-            _ if answered.is_some() => {
-                self.entries.answers.remove(id);
-            }
-            _ => {}
-        }
-        if let Some(n) = answered {
-            self.settling.end(n);
-        }
+        self.settle(id, plan, &stored);
         stored
+    }
+    fn finish_answered_later(
+        self: Arc<Self>,
+        id: ScopedKey,
+        epoch: i64,
+        outcome: Finish,
+        then: AfterCommit,
+    ) -> Option<Pending> {
+        let plan = self.plan(&id, &outcome);
+        let (me, theirs) = (self.clone(), id.clone());
+        let then: AfterCommit = Box::new(move |stored| {
+            me.settle(&theirs, plan, &stored);
+            then(stored)
+        });
+        self.inner
+            .clone()
+            .finish_answered_later(id, epoch, outcome, then)
     }
     fn remember(&self, id: &ScopedKey, response: &Arc<StoredResponse>, expires_at: i64) -> bool {
         let mut map = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
@@ -353,47 +290,5 @@ impl Store for CachedStore {
     }
     async fn close(&self) {
         self.inner.close().await
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use bytes::Bytes;
-
-    fn id(k: &str) -> ScopedKey {
-        ScopedKey::new("u", "s", k)
-    }
-
-    fn resp() -> Arc<StoredResponse> {
-        Arc::new(StoredResponse {
-            status: 200,
-            headers: vec![],
-            body: Bytes::from_static(b"{}"),
-        })
-    }
-
-    fn entries() -> Entries {
-        Entries {
-            answers: quick_cache::sync::Cache::with_weighter(MAX_ENTRIES, MAX_BYTES, ByBytes),
-            released: Mutex::default(),
-        }
-    }
-
-    #[test]
-    fn hits_expire_and_releases_forget() {
-        let c = entries();
-        c.put(&id("a"), "fp", resp(), now_ms() + 60_000);
-        assert_eq!(
-            c.get(&id("a")).map(|e| e.fingerprint.clone()).as_deref(),
-            Some("fp")
-        );
-        c.put(&id("old"), "fp", resp(), now_ms() - 1);
-        assert!(c.get(&id("old")).is_none(), "past retention");
-        c.forget(Some("a"));
-        assert!(c.get(&id("a")).is_none());
-        // A read that began before the release cannot put the answer back.
-        c.put(&id("a"), "fp", resp(), now_ms() + 60_000);
-        assert!(c.get(&id("a")).is_none());
     }
 }

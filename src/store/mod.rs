@@ -13,6 +13,7 @@ mod id;
 pub mod notify;
 pub mod postgres;
 mod records;
+mod replay_cache;
 mod rows;
 pub mod rules;
 pub mod seal;
@@ -155,6 +156,12 @@ pub enum Finish {
 }
 
 /// See [`Store::observe_releases`].
+/// Told how a write nobody waits on went (see [`Keys::finish_answered_later`]).
+pub type AfterCommit = Box<dyn FnOnce(StoreResult<bool>) + Send>;
+
+/// A write handed back for its caller to drive.
+pub type Pending = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
 pub type ReleaseObserver = std::sync::Arc<dyn Fn(Option<&str>) + Send + Sync>;
 
 /// A held cross-process lease on one entity, with its fencing epoch.
@@ -202,6 +209,21 @@ pub trait Keys: Send + Sync + 'static {
         outcome: Finish,
     ) -> StoreResult<bool> {
         self.finish(id, epoch, outcome).await
+    }
+    /// [`Keys::finish_answered`] that the caller does not wait on: `then` hears how it went.
+    /// A store that takes the write over (SQLite: it rides on the writer's next transaction,
+    /// and `then` runs on the writer's thread once it commits) returns `None`; the default
+    /// returns the write for the caller to drive. `then` must be quick and must not block.
+    fn finish_answered_later(
+        self: std::sync::Arc<Self>,
+        id: ScopedKey,
+        epoch: i64,
+        outcome: Finish,
+        then: AfterCommit,
+    ) -> Option<Pending> {
+        Some(Box::pin(async move {
+            then(self.finish_answered(&id, epoch, outcome).await)
+        }))
     }
     /// Before [`Keys::finish`] of a key this process reserved: keeps its answer where a retry
     /// finds it at once (the replay cache), so the caller can be answered before the commit.

@@ -211,6 +211,30 @@ impl Keys for SqliteStore {
         self.store_outcome(id, epoch, outcome, Heard::Committed)
             .await
     }
+    fn finish_answered_later(
+        self: std::sync::Arc<Self>,
+        id: ScopedKey,
+        epoch: i64,
+        outcome: Finish,
+        then: AfterCommit,
+    ) -> Option<Pending> {
+        let columns = match outcome.into_columns(self.cipher.as_deref(), &id, epoch) {
+            Ok(columns) => columns,
+            Err(e) => {
+                then(Err(e));
+                return None;
+            }
+        };
+        if !columns.effects.is_empty() {
+            // Never answered first (see `store_outcome`): its caller hears once it is synced.
+            return Some(Box::pin(async move {
+                then(self.writer.finish(id, epoch, columns, Heard::Synced).await)
+            }));
+        }
+        let write = move |ctx: &Ctx| finish(ctx, &id, epoch, &columns);
+        self.writer.finish_later(write, then);
+        None
+    }
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
         let id = id.clone();
         let ms = lease.as_millis() as i64;

@@ -13,6 +13,7 @@
 //! `in_flight` at start was left by a dead process: it becomes `unknown` at once.
 
 mod audit;
+mod deferred;
 mod durable;
 mod entities;
 mod keys;

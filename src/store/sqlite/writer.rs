@@ -18,14 +18,21 @@
 //! by about a fifth. With the syncer idle (a lone client, mostly) an outcome commits at once,
 //! while its caller reads the answer, rather than on the critical path of the next request's
 //! reservation.
+//!
+//! Outcomes whose callers were answered before their commit need not even be queued: handed
+//! over with [`Writer::finish_later`], they wait in [`super::deferred`] for the next batch, and
+//! only a parked writer is woken for them. The thread itself, what goes into a batch and how a
+//! batch runs, is `writer_thread.rs`.
 
+use super::deferred::{Deferred, Later};
 use super::durable::{Delivery, Syncer};
 use crate::store::{
     AuditRow, FinishColumns, Reservation, Reserved, ScopedKey, SharedCipher, StoreError,
     StoreResult,
 };
 use rusqlite::Connection;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::oneshot;
 
 /// Most jobs committed together: bounds the time a batch holds its callers.
@@ -81,7 +88,7 @@ fn deliver<T: Send + 'static>(reply: Reply<T>, res: StoreResult<T>) -> Delivery 
 }
 
 /// One write, run in the batch's transaction; what it returns is delivered after the commit.
-type Job = Box<dyn FnOnce(&Ctx) -> Delivery + Send>;
+pub type Job = Box<dyn FnOnce(&Ctx) -> Delivery + Send>;
 
 /// When a write's caller hears back.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -98,6 +105,8 @@ pub enum Heard {
 
 enum Msg {
     Job(Job, Heard),
+    /// Outcomes wait in [`Deferred`] (sent to a parked writer only).
+    Nudge,
     /// Stop after this batch (sent by `close`, once requests are done).
     Close(oneshot::Sender<()>),
 }
@@ -105,6 +114,7 @@ enum Msg {
 /// The handle to the writer thread.
 pub struct Writer {
     tx: flume::Sender<Msg>,
+    deferred: Arc<Deferred>,
     thread: std::sync::Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -128,12 +138,18 @@ impl Writer {
         linger: Linger,
     ) -> StoreResult<Writer> {
         let (tx, rx) = flume::bounded(8192);
+        let deferred = Arc::new(Deferred::default());
+        let queues = thread::Queues {
+            rx,
+            deferred: deferred.clone(),
+        };
         let thread = std::thread::Builder::new()
             .name("idemproxy-writer".into())
-            .spawn(move || run(conn, rx, cipher, syncer, linger))
+            .spawn(move || thread::run(conn, queues, cipher, syncer, linger))
             .map_err(|e| StoreError::Unavailable(format!("cannot start the writer: {e}")))?;
         Ok(Writer {
             tx,
+            deferred,
             thread: std::sync::Mutex::new(Some(thread)),
         })
     }
@@ -179,6 +195,21 @@ impl Writer {
             .await
     }
 
+    /// Runs `f` in a coming batch without waiting for it (see [`super::deferred`]): `then`
+    /// hears how it went, on the writer's thread, once committed.
+    pub fn finish_later<F>(&self, f: F, then: crate::store::AfterCommit)
+    where
+        F: FnOnce(&Ctx) -> StoreResult<bool> + Send + 'static,
+    {
+        let run = Box::new(f);
+        match self.deferred.push(Later { run, then }) {
+            // Full means the writer has work queued already: it will take this with it.
+            Ok(true) => drop(self.tx.try_send(Msg::Nudge)),
+            Ok(false) => {}
+            Err(later) => (later.then)(Err(StoreError::Closed)),
+        }
+    }
+
     pub async fn audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
         self.write_heard(Heard::Committed, move |ctx| {
             super::audit::append_audit(ctx.conn, &rows)
@@ -199,193 +230,8 @@ impl Writer {
     }
 }
 
-fn run(
-    conn: Connection,
-    rx: flume::Receiver<Msg>,
-    cipher: SharedCipher,
-    syncer: Option<Syncer>,
-    linger: Linger,
-) {
-    let mut jobs: Vec<(Job, Heard)> = Vec::with_capacity(MAX_BATCH);
-    let mut closing = None;
-    while let Ok(first) = rx.recv() {
-        let linger = || linger.wait(|| syncer.as_ref().is_some_and(Syncer::busy));
-        gather(first, &rx, &mut jobs, &mut closing, linger);
-        if !jobs.is_empty() {
-            let ctx = Ctx {
-                conn: &conn,
-                now: crate::store::now_ms(),
-                cipher: cipher.as_deref(),
-            };
-            let batch = Batch {
-                rx: &rx,
-                closing: &mut closing,
-                syncer: syncer.as_ref(),
-            };
-            run_batch(&ctx, std::mem::take(&mut jobs), batch);
-        }
-        if closing.is_some() {
-            break;
-        }
-    }
-    drop(conn);
-    if let Some(s) = syncer {
-        // The last batches' replies are delivered (after their sync) before `close` returns.
-        s.close();
-    }
-    if let Some(tx) = closing {
-        let _ = tx.send(());
-    }
-}
-
-/// Takes `first` and whatever else is queued into `jobs`. Jobs that are all heard of at their
-/// commit wait for one that is waited on, which ends the wait, as long as `linger` says when
-/// first asked (`None`: not at all).
-fn gather(
-    first: Msg,
-    rx: &flume::Receiver<Msg>,
-    jobs: &mut Vec<(Job, Heard)>,
-    closing: &mut Option<oneshot::Sender<()>>,
-    linger: impl FnOnce() -> Option<Duration>,
-) {
-    let mut linger = Some(linger);
-    let mut waited_on = false;
-    let mut until = None;
-    let mut next = Some(first);
-    while let Some(msg) = next.take() {
-        match msg {
-            Msg::Job(job, heard) => {
-                waited_on |= heard == Heard::Synced;
-                jobs.push((job, heard));
-            }
-            Msg::Close(tx) => {
-                *closing = Some(tx);
-                return;
-            }
-        }
-        if jobs.len() >= MAX_BATCH {
-            return;
-        }
-        next = match rx.try_recv() {
-            Ok(msg) => Some(msg),
-            Err(_) if waited_on => None,
-            Err(_) => {
-                if let Some(wait) = linger.take() {
-                    until = wait().map(|d| Instant::now() + d);
-                }
-                match until {
-                    Some(until) => rx.recv_deadline(until).ok(),
-                    None => None,
-                }
-            }
-        };
-    }
-}
-
-/// What a batch may draw on beyond its first jobs.
-struct Batch<'a> {
-    rx: &'a flume::Receiver<Msg>,
-    closing: &'a mut Option<oneshot::Sender<()>>,
-    syncer: Option<&'a Syncer>,
-}
-
-impl Batch<'_> {
-    /// The next job queued, while the syncer is busy (see [`Syncer::busy`]) and the batch has
-    /// room: it joins this transaction instead of the next.
-    fn more(&mut self, ran: usize) -> Option<(Job, Heard)> {
-        if ran >= MAX_BATCH || self.closing.is_some() || !self.syncer.is_some_and(|s| s.busy()) {
-            return None;
-        }
-        match self.rx.try_recv().ok()? {
-            Msg::Job(j, heard) => Some((j, heard)),
-            Msg::Close(tx) => {
-                *self.closing = Some(tx);
-                None
-            }
-        }
-    }
-}
-
-/// Runs a batch in one transaction; callers hear back only after the commit (and its sync).
-fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) {
-    let conn = ctx.conn;
-    if !conn.is_autocommit() {
-        // A transaction left open by a failed commit is let go before the next one.
-        let _ = conn.execute_batch("ROLLBACK");
-    }
-    if let Err(e) = run_cached(conn, "BEGIN IMMEDIATE") {
-        // Dropping the batch unrun drops its replies: every caller gets an error.
-        tracing::error!(error = %e, "SQLite cannot begin a write");
-        return;
-    }
-    let started = std::time::Instant::now();
-    let mut done: Vec<Delivery> = Vec::with_capacity(jobs.len());
-    let mut committed: Vec<Delivery> = Vec::new();
-    let mut jobs = jobs.into_iter();
-    while let Some((job, heard)) = jobs
-        .next()
-        .or_else(|| batch.more(done.len() + committed.len()))
-    {
-        match heard {
-            Heard::Synced => done.push(job(ctx)),
-            Heard::Committed => committed.push(job(ctx)),
-        }
-        if conn.is_autocommit() {
-            // SQLite rolled the whole transaction back (a full disk, an I/O error): what ran
-            // is gone and nothing more may run outside it. The jobs left are dropped unrun.
-            tracing::error!("SQLite rolled a write batch back");
-            break;
-        }
-    }
-    let size = done.len() + committed.len();
-    let ran = started.elapsed();
-    let failure = match conn.is_autocommit() {
-        true => Some("the write batch was rolled back".to_owned()),
-        false => commit(conn),
-    };
-    // After a failed fsync nothing is acknowledged, not even what is heard of at its commit.
-    let failure = failure.or_else(|| batch.syncer.and_then(Syncer::failed).map(str::to_owned));
-    tracing::trace!(size, ?ran, total = ?started.elapsed(), "write batch committed");
-    match (batch.syncer, &failure) {
-        // Committed: heard of once durable. Synced here when nothing else waits for the
-        // writer, else on the syncer's thread while the next batch runs; what is heard of at
-        // its commit is synced with them, or within `LAZY_SYNC` when nothing else is.
-        (Some(s), None) => {
-            let lazy = !committed.is_empty();
-            for d in committed {
-                d(None);
-            }
-            match done.is_empty() {
-                true if lazy => s.sync_soon(),
-                true => {}
-                false => s.after_sync(done, batch.rx.is_empty()),
-            }
-        }
-        _ => {
-            for d in done.into_iter().chain(committed) {
-                d(failure.as_deref());
-            }
-        }
-    }
-}
-
-/// Commits the batch's transaction: `Some(why)` when it could not.
-fn commit(conn: &Connection) -> Option<String> {
-    match run_cached(conn, "COMMIT") {
-        Ok(()) => None,
-        Err(e) => {
-            // Leave no transaction open behind a failed commit (ignore "no transaction").
-            let _ = conn.execute_batch("ROLLBACK");
-            Some(format!("commit failed: {e}"))
-        }
-    }
-}
-
-/// A statement without parameters or rows, prepared once: `BEGIN` and `COMMIT` run thousands of
-/// times a second, and `execute_batch` would parse them each time.
-fn run_cached(conn: &Connection, sql: &str) -> rusqlite::Result<()> {
-    conn.prepare_cached(sql)?.execute([]).map(drop)
-}
+#[path = "writer_thread.rs"]
+mod thread;
 
 #[cfg(test)]
 #[path = "writer_tests.rs"]

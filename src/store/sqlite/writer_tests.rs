@@ -131,3 +131,78 @@ fn outcomes_linger_only_while_the_syncer_is_busy() {
     assert_eq!(Linger::WhileSyncing(d).wait(|| false), None);
     assert_eq!(Linger::Always(d).wait(|| unreachable!()), Some(d));
 }
+
+/// An outcome handed over with [`Writer::finish_later`] running `f`, and where its caller
+/// hears how it went.
+fn later<F>(w: &Writer, f: F) -> oneshot::Receiver<StoreResult<bool>>
+where
+    F: FnOnce(&Ctx) -> StoreResult<bool> + Send + 'static,
+{
+    let (tx, rx) = oneshot::channel();
+    w.finish_later(f, Box::new(move |res| drop(tx.send(res))));
+    rx
+}
+
+/// Waits until the writer is blocked on its queue with nothing to do.
+async fn parked(w: &Writer) {
+    while !w.deferred.is_parked() {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn an_outcome_handed_over_wakes_a_parked_writer() {
+    // Nothing else comes: without the wake-up it would wait forever.
+    let linger = Linger::WhileSyncing(Duration::from_secs(3600));
+    let (_dir, path, w) = writer_with(linger, true);
+    within(parked(&w)).await;
+    let heard = later(&w, |ctx| Ok(insert(1)(ctx).is_ok()));
+    assert!(within(heard).await.unwrap().unwrap());
+    assert!(committed(&path, 1));
+    within(w.close()).await;
+}
+
+#[tokio::test]
+async fn an_outcome_handed_over_rides_on_the_next_reservation() {
+    // An hour's linger: only the waited-on write can end it.
+    let (_dir, path, w) = writer(Duration::from_secs(3600));
+    within(parked(&w)).await;
+    let path2 = path.clone();
+    let heard = later(&w, move |ctx| {
+        // The reservation's row: written in this transaction, not yet committed.
+        let mine: i64 = ctx
+            .conn
+            .query_row("SELECT count(*) FROM t WHERE id = 2", [], |r| r.get(0))?;
+        insert(1)(ctx)?;
+        Ok(mine == 1 && !committed(&path2, 2))
+    });
+    // Woken once, the writer now waits for a reservation.
+    within(async {
+        while w.deferred.is_parked() {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await;
+    within(w.write(insert(2))).await.unwrap();
+    assert!(
+        within(heard).await.unwrap().unwrap(),
+        "not in one transaction"
+    );
+    assert!(committed(&path, 1));
+}
+
+#[tokio::test]
+async fn closing_commits_outcomes_handed_over_and_refuses_later_ones() {
+    let (_dir, path, w) = writer(Duration::from_secs(3600));
+    within(parked(&w)).await;
+    let heard = later(&w, |ctx| Ok(insert(1)(ctx).is_ok()));
+    within(w.close()).await;
+    assert!(within(heard).await.unwrap().unwrap());
+    assert!(committed(&path, 1));
+    let refused = later(&w, |ctx| Ok(insert(2)(ctx).is_ok()));
+    assert!(matches!(
+        within(refused).await.unwrap(),
+        Err(StoreError::Closed)
+    ));
+    assert!(!committed(&path, 2));
+}
