@@ -68,4 +68,5 @@ pub mod server;
 pub mod state;
 pub mod store;
 pub mod template;
+pub mod threads;
 pub mod upstream;

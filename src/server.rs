@@ -8,13 +8,14 @@ use crate::locks::LockTable;
 use crate::metrics::Stats;
 use crate::router::{self, Listener};
 use crate::state::{AppState, Live};
+use crate::threads::ConnThreads;
 use crate::upstream::ProxyBody;
 use anyhow::Context;
 use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -23,7 +24,7 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
@@ -52,6 +53,8 @@ pub struct Server {
     /// Stops the audit writer (after it flushed) and the retention task.
     background_stop: CancellationToken,
     background: Vec<JoinHandle<()>>,
+    /// Serving threads beside the runtime's workers (see [`crate::threads`]).
+    threads: Arc<ConnThreads>,
 }
 
 impl Server {
@@ -72,6 +75,17 @@ impl Server {
         if check.legacy_keys {
             tracing::info!(
                 "keys stored by the first release remain: look-ups also try their unkeyed scopes"
+            );
+        }
+        // Before the clients: each keeps a pool of upstream connections per serving thread.
+        let threads = Arc::new(
+            ConnThreads::start(crate::threads::for_config(&config))
+                .context("cannot start the connection threads")?,
+        );
+        if !threads.is_empty() {
+            tracing::info!(
+                threads = threads.len(),
+                "connection threads beside the runtime's workers"
             );
         }
         let clients = crate::state::clients(&config)?;
@@ -124,6 +138,7 @@ impl Server {
             proxy_handler(&live, Listener::Main),
             limits,
             cancel.clone(),
+            Some(threads.clone()),
         ));
 
         let mut upstream_addrs = BTreeMap::new();
@@ -138,6 +153,7 @@ impl Server {
                 proxy_handler(&live, Listener::Upstream(u.clone())),
                 limits,
                 cancel.clone(),
+                Some(threads.clone()),
             ));
         }
 
@@ -154,7 +170,7 @@ impl Server {
                     let live = live.clone();
                     Box::pin(async move { admin::handle(live, req).await })
                 });
-                loops.push(serve(l, None, handler, limits, cancel.clone()));
+                loops.push(serve(l, None, handler, limits, cancel.clone(), None));
                 Some(addr)
             }
             None => None,
@@ -174,6 +190,7 @@ impl Server {
             loops,
             background_stop,
             background: vec![audit_task, retention_task, hangup],
+            threads,
         })
     }
 
@@ -197,6 +214,9 @@ impl Server {
             let _ = task.await;
         }
         state.store.close().await;
+        // Their connections are over; what is left on them (idle upstream connections) goes.
+        let threads = self.threads.clone();
+        let _ = tokio::task::spawn_blocking(move || threads.stop()).await;
         tracing::info!("stopped");
     }
 }
@@ -242,13 +262,15 @@ async fn reload_on_hangup(live: Live, stop: CancellationToken) {
     stop.cancelled().await;
 }
 
-/// Accepts connections until cancelled, then drains them gracefully.
+/// Accepts connections until cancelled, then drains them gracefully. With `threads`, the
+/// connections are dealt in turn to the runtime's workers and to those threads.
 fn serve(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     handler: Handler,
     limits: crate::accept::Limits,
     cancel: CancellationToken,
+    threads: Option<Arc<ConnThreads>>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
         let graceful = GracefulShutdown::new();
@@ -272,54 +294,83 @@ fn serve(
                 accepted = acceptor.next() => accepted,
             };
             let _ = stream.set_nodelay(true);
-            let handler = handler.clone();
-            // Set by the first request: a connection that sends none in time is closed.
-            let spoke = Arc::new(AtomicBool::new(false));
-            let heard = spoke.clone();
-            let svc = hyper::service::service_fn(move |req| {
-                heard.store(true, Ordering::Relaxed);
-                let fut = handler(req);
-                async move { Ok::<_, Infallible>(fut.await) }
-            });
-            match &tls {
+            let conn = Connection {
+                tls: tls.clone(),
+                builder: builder.clone(),
+                watcher: graceful.watcher(),
+                handler: handler.clone(),
+                peer,
+            };
+            match threads.as_ref().and_then(|t| t.next()) {
                 None => {
-                    let conn = graceful.watch(
-                        builder
-                            .serve_connection(TokioIo::new(stream), svc)
-                            .into_owned(),
-                    );
                     tokio::spawn(async move {
-                        drive(conn, &spoke, peer).await;
+                        conn.serve(stream).await;
                         drop(permit);
                     });
                 }
-                Some(acceptor) => {
-                    // The handshake runs in the connection's task, never in the accept loop.
-                    let (acceptor, builder, watcher) =
-                        (acceptor.clone(), builder.clone(), graceful.watcher());
-                    tokio::spawn(async move {
-                        match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream))
-                            .await
-                        {
-                            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                            Ok(Ok(tls)) => {
-                                let conn = builder
-                                    .serve_connection(TokioIo::new(tls), svc)
-                                    .into_owned();
-                                drive(watcher.watch(conn), &spoke, peer).await;
+                // Moved to the thread's own I/O driver, so its readiness wakes that thread.
+                Some(thread) => match stream.into_std() {
+                    Ok(stream) => {
+                        thread.spawn(async move {
+                            match TcpStream::from_std(stream) {
+                                Ok(stream) => conn.serve(stream).await,
+                                Err(e) => tracing::debug!(%peer, error = %e, "cannot register the connection on its thread"),
                             }
-                            Ok(Err(e)) => {
-                                tracing::debug!(%peer, error = %e, "TLS handshake failed")
-                            }
-                        }
-                        drop(permit);
-                    });
-                }
+                            drop(permit);
+                        });
+                    }
+                    Err(e) => {
+                        tracing::debug!(%peer, error = %e, "cannot hand the connection to its thread")
+                    }
+                },
             }
         }
         drop(acceptor);
         graceful.shutdown().await;
     })
+}
+
+/// An accepted connection and what serving it takes, wherever it is served.
+struct Connection {
+    tls: Option<TlsAcceptor>,
+    builder: auto::Builder<TokioExecutor>,
+    watcher: Watcher,
+    handler: Handler,
+    peer: SocketAddr,
+}
+
+impl Connection {
+    /// Serves the connection (after its TLS handshake, if any) to its end.
+    async fn serve(self, stream: TcpStream) {
+        let Connection {
+            tls,
+            builder,
+            watcher,
+            handler,
+            peer,
+        } = self;
+        // Set by the first request: a connection that sends none in time is closed.
+        let spoke = Arc::new(AtomicBool::new(false));
+        let heard = spoke.clone();
+        let svc = hyper::service::service_fn(move |req| {
+            heard.store(true, Ordering::Relaxed);
+            let fut = handler(req);
+            async move { Ok::<_, Infallible>(fut.await) }
+        });
+        let Some(acceptor) = tls else {
+            let conn = builder.serve_connection(TokioIo::new(stream), svc);
+            return drive(watcher.watch(conn.into_owned()), &spoke, peer).await;
+        };
+        // The handshake runs in the connection's task, never in the accept loop.
+        match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+            Ok(Ok(tls)) => {
+                let conn = builder.serve_connection(TokioIo::new(tls), svc);
+                drive(watcher.watch(conn.into_owned()), &spoke, peer).await;
+            }
+            Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+        }
+    }
 }
 
 /// Serves a connection to its end — unless no request has begun within

@@ -41,11 +41,12 @@ pub type Live = Arc<arc_swap::ArcSwap<AppState>>;
 /// A client for every upstream of `config` (each with its own connection pool).
 pub fn clients(config: &Config) -> anyhow::Result<HashMap<String, Arc<UpstreamClient>>> {
     let roots = crate::upstream::default_roots();
+    let threads = crate::threads::for_config(config);
     let mut clients = HashMap::new();
     for u in &config.upstreams {
         clients.insert(
             u.name.clone(),
-            Arc::new(UpstreamClient::new(u.clone(), &roots)?),
+            Arc::new(UpstreamClient::new(u.clone(), &roots, threads)?),
         );
     }
     Ok(clients)

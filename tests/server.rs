@@ -596,3 +596,36 @@ async fn store_url_env_overrides_the_config() {
     assert!(dir.db_path().exists());
     assert_eq!(upstream.count(), 2);
 }
+
+#[tokio::test]
+async fn connections_on_every_serving_thread_forward_once_and_replay() {
+    // Three serving threads on SQLite: the runtime's one worker and two connection threads,
+    // dealt new connections in turn — each request below comes on a connection of its own,
+    // so a key's first write and its retries are served on different threads.
+    let upstream = RecordingUpstream::start().await;
+    let proxy = start_api(&upstream, "workers = 3\n").await;
+    let url = proxy.url("/api/v1/charges");
+    let body = json!({"amount": 100});
+    let first = post(&url, "k-threads", &body).await;
+    assert_eq!((first.status, first.replayed()), (200, Some(false)));
+    for _ in 0..5 {
+        let again = post(&url, "k-threads", &body).await;
+        assert_eq!(again.replayed(), Some(true));
+        assert_eq!((again.status, &again.body), (first.status, &first.body));
+    }
+    assert_eq!(
+        upstream.count_method("POST"),
+        1,
+        "one forward for six requests"
+    );
+    for i in 0..6 {
+        let resp = post(&url, &format!("k-threads-{i}"), &body).await;
+        assert_eq!((resp.status, resp.replayed()), (200, Some(false)));
+    }
+    assert_eq!(
+        upstream.count_method("POST"),
+        7,
+        "each new key forwarded once"
+    );
+    proxy.shutdown().await;
+}

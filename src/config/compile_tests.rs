@@ -265,17 +265,25 @@ fn reconcile_expectations_never_read_what_the_fingerprint_ignores() {
 }
 
 #[test]
-fn workers_default_to_the_cores_less_the_sqlite_writers_and_can_be_set() {
+fn serving_threads_default_to_the_cores_and_can_be_set() {
     let cfg = compile_str(BASE).unwrap();
     assert_eq!(cfg.server.workers, None);
-    // SQLite: one core left to its writer thread, never fewer than one worker.
-    assert_eq!(cfg.server.workers_for(2, true), 1);
-    assert_eq!(cfg.server.workers_for(8, true), 7);
-    assert_eq!(cfg.server.workers_for(1, true), 1);
-    // PostgreSQL (no writer thread in the process): one per core.
-    assert_eq!(cfg.server.workers_for(2, false), 2);
+    let threads = |c: &Config, cores, sqlite| {
+        let s = &c.server;
+        (
+            s.workers_for(cores, sqlite),
+            s.connection_threads_for(cores, sqlite),
+        )
+    };
+    // SQLite: one runtime worker, the other serving threads connection threads.
+    assert_eq!(threads(&cfg, 2, true), (1, 1));
+    assert_eq!(threads(&cfg, 8, true), (1, 7));
+    assert_eq!(threads(&cfg, 1, true), (1, 0));
+    // PostgreSQL: every serving thread a runtime worker.
+    assert_eq!(threads(&cfg, 2, false), (2, 0));
     let set = compile_str(&BASE.replace("[server]\n", "[server]\nworkers = 3\n")).unwrap();
-    assert_eq!(set.server.workers_for(2, true), 3);
+    assert_eq!(threads(&set, 2, true), (1, 2));
+    assert_eq!(threads(&set, 2, false), (3, 0));
     for bad in ["0", "-1", "5000"] {
         let e = first_error(&BASE.replace("[server]\n", &format!("[server]\nworkers = {bad}\n")));
         assert!(e.contains("workers") || e.contains("1 to 1024"), "{e}");

@@ -56,25 +56,36 @@ pub struct ServerConfig {
     /// Most connections one peer address may hold per listener (0: no per-peer limit), so
     /// one client cannot take every slot of [`ServerConfig::max_connections`].
     pub max_connections_per_ip: usize,
-    /// Threads serving requests (the async runtime's workers); `None`: see
-    /// [`ServerConfig::workers_for`].
+    /// Threads serving requests (the async runtime's workers, and on SQLite the connection
+    /// threads beside them); `None`: one per core. See [`ServerConfig::workers_for`].
     pub workers: Option<usize>,
     pub tls: Option<TlsFiles>,
 }
 
 impl ServerConfig {
-    /// The workers to start on a machine with `cores` cores. By default one per core —
-    /// except on SQLite, whose one writer thread (and its syncer) runs every first write's
-    /// statements beside the workers: one core is left to it. On a 2-core machine one worker
-    /// then serves a lone first write in 0.28–0.30 ms against 0.40 ms with two (the writer's
-    /// reply woke a second worker on the other core) at the same throughput under load
-    /// (docs/benchmark.md, twelfth session).
+    /// The async runtime's workers on a machine with `cores` cores: all the serving threads
+    /// ([`ServerConfig::workers`], by default one per core) — except on SQLite, where the
+    /// runtime has one and the others are connection threads ([`crate::threads`]). Its
+    /// writer's reply to a request then wakes the thread that request runs on: with two
+    /// workers it woke the other one, and a lone first write took 60–90 µs longer; one worker
+    /// alone was the limit under load (docs/benchmark.md, twelfth and seventeenth sessions).
     pub fn workers_for(&self, cores: usize, sqlite: bool) -> usize {
-        let default = match sqlite {
-            true => cores.saturating_sub(1),
-            false => cores,
-        };
-        self.workers.unwrap_or(default).max(1)
+        match sqlite {
+            true => 1,
+            false => self.serving(cores),
+        }
+    }
+
+    /// The connection threads beside the runtime's workers (see [`Self::workers_for`]).
+    pub fn connection_threads_for(&self, cores: usize, sqlite: bool) -> usize {
+        match sqlite {
+            true => self.serving(cores) - 1,
+            false => 0,
+        }
+    }
+
+    fn serving(&self, cores: usize) -> usize {
+        self.workers.unwrap_or(cores).max(1)
     }
 }
 

@@ -37,8 +37,12 @@ pub struct UpstreamClient {
     /// request. (Over TLS the connection may turn out HTTP/2, which takes `:authority`
     /// instead, so hyper-util still decides there.)
     host: Option<http::HeaderValue>,
-    client: Client<BoundedConnect<HttpsConnector<HttpConnector>>, ProxyBody>,
+    /// One pool per serving thread (see [`crate::threads`]): a pooled connection's task runs
+    /// on the thread that opened it, and a request on another thread would wake it there.
+    pools: Box<[Pool]>,
 }
+
+type Pool = Client<BoundedConnect<HttpsConnector<HttpConnector>>, ProxyBody>;
 
 /// A connector whose whole connect (name lookup, TCP, TLS handshake) has a deadline. Its
 /// errors are connect errors to the client, which is how a forward knows nothing was sent.
@@ -78,9 +82,12 @@ where
 }
 
 impl UpstreamClient {
+    /// The client of `upstream`, with a pool for the runtime's workers and one for each of
+    /// `threads` connection threads.
     pub fn new(
         upstream: Arc<Upstream>,
         system_roots: &rustls::RootCertStore,
+        threads: usize,
     ) -> anyhow::Result<Self> {
         let mut roots = system_roots.clone();
         if let Some(ca) = &upstream.ca_file {
@@ -120,13 +127,17 @@ impl UpstreamClient {
             inner: https,
             limit: (upstream.timeout / 2).min(Duration::from_secs(10)),
         };
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .build(https);
+        let pools = (0..=threads)
+            .map(|_| {
+                Client::builder(TokioExecutor::new())
+                    .pool_idle_timeout(Duration::from_secs(60))
+                    .build(https.clone())
+            })
+            .collect();
         Ok(UpstreamClient {
             host: plain_http_host(&upstream.scheme, &upstream.authority),
             upstream,
-            client,
+            pools,
         })
     }
 
@@ -156,7 +167,8 @@ impl UpstreamClient {
                 .entry(header::HOST)
                 .or_insert_with(|| host.clone());
         }
-        self.client.request(req).await
+        let pool = crate::threads::index().min(self.pools.len() - 1);
+        self.pools[pool].request(req).await
     }
 }
 

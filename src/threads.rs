@@ -1,0 +1,147 @@
+//! Connection threads: serving threads beside the async runtime's workers, each a
+//! single-threaded runtime of its own that keeps a connection, its requests' tasks and their
+//! upstream connections on one thread.
+//!
+//! On SQLite the runtime has one worker (a lone client's request then never crosses workers:
+//! with two, the store's reply woke a worker on the other core and a lone first write took
+//! 60–90 µs longer), and that one worker is the limit under load. Connections are therefore
+//! dealt in turn to the worker and to these threads: each accepted socket is moved to its
+//! thread's I/O driver, and each thread forwards through a pool of upstream connections of its
+//! own ([`crate::upstream::client::UpstreamClient`] picks it by [`index`]), so no request's
+//! work hops between threads but for the store's. Measured on 2 cores at 64 concurrent first
+//! writes: 9% more a second than one worker alone, a lone client's p50 unchanged
+//! (docs/benchmark.md, seventeenth session).
+
+use std::cell::Cell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use tokio::runtime::Handle;
+use tokio::sync::oneshot;
+
+thread_local! {
+    static INDEX: Cell<usize> = const { Cell::new(0) };
+}
+
+/// Which serving thread this is: 0 off the connection threads (the runtime's workers), `i`
+/// on the `i`-th connection thread.
+pub fn index() -> usize {
+    INDEX.with(Cell::get)
+}
+
+/// The connection threads `config` asks for on this machine.
+pub fn for_config(config: &crate::config::Config) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (config.server).connection_threads_for(cores, config.store.is_sqlite())
+}
+
+/// One connection thread: its runtime, what stops it, and the thread.
+struct Thread {
+    handle: Handle,
+    stop: Option<oneshot::Sender<()>>,
+    join: Option<std::thread::JoinHandle<()>>,
+}
+
+/// The connection threads of one server.
+pub struct ConnThreads {
+    threads: Mutex<Vec<Thread>>,
+    handles: Vec<Handle>,
+    next: AtomicUsize,
+}
+
+impl ConnThreads {
+    /// Starts `n` threads (none: every connection stays on the runtime's workers).
+    pub fn start(n: usize) -> std::io::Result<ConnThreads> {
+        let mut threads = Vec::with_capacity(n);
+        for i in 1..=n {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let (stop, stopped) = oneshot::channel::<()>();
+            let handle = rt.handle().clone();
+            let join = std::thread::Builder::new()
+                .name(format!("idemproxy-conn{i}"))
+                .spawn(move || {
+                    INDEX.with(|c| c.set(i));
+                    // Runs until stopped (or its `ConnThreads` is dropped); what is left on it
+                    // then is dropped with the runtime, on this thread.
+                    let _ = rt.block_on(stopped);
+                })?;
+            threads.push(Thread {
+                handle,
+                stop: Some(stop),
+                join: Some(join),
+            });
+        }
+        Ok(ConnThreads {
+            handles: threads.iter().map(|t| t.handle.clone()).collect(),
+            threads: Mutex::new(threads),
+            next: AtomicUsize::new(0),
+        })
+    }
+
+    /// How many there are.
+    pub fn len(&self) -> usize {
+        self.handles.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.handles.is_empty()
+    }
+
+    /// Where the next connection goes, in turn: `None` for the runtime's workers, or one of
+    /// the threads.
+    pub fn next(&self) -> Option<&Handle> {
+        if self.handles.is_empty() {
+            return None;
+        }
+        let turn = self.next.fetch_add(1, Ordering::Relaxed) % (self.handles.len() + 1);
+        turn.checked_sub(1).map(|i| &self.handles[i])
+    }
+
+    /// Stops the threads and waits for them (blocking: call it off the runtime's workers).
+    /// Their connections must be over: what remains on them (idle upstream connections) is
+    /// dropped.
+    pub fn stop(&self) {
+        let mut threads = self.threads.lock().unwrap_or_else(|p| p.into_inner());
+        for t in threads.iter_mut() {
+            if let Some(stop) = t.stop.take() {
+                let _ = stop.send(());
+            }
+        }
+        for t in threads.iter_mut() {
+            if let Some(join) = t.join.take() {
+                let _ = join.join();
+            }
+        }
+    }
+}
+
+impl Drop for ConnThreads {
+    fn drop(&mut self) {
+        // Dropping the senders ends each thread's `block_on`; nobody waits for them here.
+        let threads = self.threads.get_mut().unwrap_or_else(|p| p.into_inner());
+        for t in threads.iter_mut() {
+            t.stop.take();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn connections_are_dealt_in_turn_and_threads_know_their_index() {
+        let threads = ConnThreads::start(2).unwrap();
+        let turns: Vec<Option<usize>> = (0..6)
+            .map(|_| {
+                threads
+                    .next()
+                    .map(|h| h.block_on(async { tokio::spawn(async { index() }).await.unwrap() }))
+            })
+            .collect();
+        assert_eq!(turns, vec![None, Some(1), Some(2), None, Some(1), Some(2)]);
+        assert_eq!(index(), 0);
+        threads.stop();
+    }
+}
