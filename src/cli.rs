@@ -111,7 +111,7 @@ pub fn main() -> ExitCode {
             // TOKIO_WORKER_THREADS, when set, is the runtime's own override (tokio reads it).
             if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
                 let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                rt.worker_threads(config.server.workers_for(cores, config.store.is_sqlite()));
+                rt.worker_threads(config.server.workers_for(cores));
             }
             run_on(rt, serve(config))
         }

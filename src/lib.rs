@@ -9,7 +9,7 @@
 //!   peer, back-off when file descriptors run out, rate-limited logs.
 //! - [`router`]: the main-listener router: prefix → upstream, path safety, safe methods streamed
 //!   through, route matching, `unmatched` policy.
-//! - [`threads`]: connection threads beside the runtime's workers (SQLite), each keeping its
+//! - [`threads`]: connection threads beside the runtime's one worker, each keeping its
 //!   connections, their tasks and its upstream pools on one thread.
 //! - [`state`]: the state every request shares (`AppState`), and the one in force (`Live`).
 //! - [`reload`]: the configuration read again on `SIGHUP` or `POST /admin/reload`.

@@ -2,15 +2,16 @@
 //! single-threaded runtime of its own that keeps a connection, its requests' tasks and their
 //! upstream connections on one thread.
 //!
-//! On SQLite the runtime has one worker (a lone client's request then never crosses workers:
-//! with two, the store's reply woke a worker on the other core and a lone first write took
+//! The runtime has one worker (a lone client's request then never crosses workers: with two,
+//! the store's reply woke a worker on the other core and a lone first write on SQLite took
 //! 60–90 µs longer), and that one worker is the limit under load. Connections are therefore
 //! dealt in turn to the worker and to these threads: each accepted socket is moved to its
 //! thread's I/O driver, and each thread forwards through a pool of upstream connections of its
 //! own ([`crate::upstream::client::UpstreamClient`] picks it by [`index`]), so no request's
 //! work hops between threads but for the store's. Measured on 2 cores at 64 concurrent first
-//! writes: 9% more a second than one worker alone, a lone client's p50 unchanged
-//! (docs/benchmark.md, seventeenth session).
+//! writes: 15% more a second than one worker alone on SQLite (a lone client's p50 unchanged),
+//! 10% more on PostgreSQL than two workers (a lone client's 8% faster) (docs/benchmark.md,
+//! seventeenth session).
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -31,7 +32,7 @@ pub fn index() -> usize {
 /// The connection threads `config` asks for on this machine.
 pub fn for_config(config: &crate::config::Config) -> usize {
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    (config.server).connection_threads_for(cores, config.store.is_sqlite())
+    config.server.connection_threads_for(cores)
 }
 
 /// One connection thread: its runtime, what stops it, and the thread.

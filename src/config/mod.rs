@@ -56,32 +56,27 @@ pub struct ServerConfig {
     /// Most connections one peer address may hold per listener (0: no per-peer limit), so
     /// one client cannot take every slot of [`ServerConfig::max_connections`].
     pub max_connections_per_ip: usize,
-    /// Threads serving requests (the async runtime's workers, and on SQLite the connection
-    /// threads beside them); `None`: one per core. See [`ServerConfig::workers_for`].
+    /// Threads serving requests (the async runtime's worker and the connection threads beside
+    /// it); `None`: one per core. See [`ServerConfig::workers_for`].
     pub workers: Option<usize>,
     pub tls: Option<TlsFiles>,
 }
 
 impl ServerConfig {
-    /// The async runtime's workers on a machine with `cores` cores: all the serving threads
-    /// ([`ServerConfig::workers`], by default one per core) — except on SQLite, where the
-    /// runtime has one and the others are connection threads ([`crate::threads`]). Its
-    /// writer's reply to a request then wakes the thread that request runs on: with two
-    /// workers it woke the other one, and a lone first write took 60–90 µs longer; one worker
-    /// alone was the limit under load (docs/benchmark.md, twelfth and seventeenth sessions).
-    pub fn workers_for(&self, cores: usize, sqlite: bool) -> usize {
-        match sqlite {
-            true => 1,
-            false => self.serving(cores),
-        }
+    /// The async runtime's workers: one. The other serving threads ([`ServerConfig::workers`],
+    /// by default one per core) are connection threads ([`crate::threads`]): a store's reply
+    /// to a request then wakes the thread that request runs on. With two runtime workers it
+    /// woke the other one, and a lone first write on SQLite took 60–90 µs longer; connection
+    /// threads beside one worker served 15% more concurrent first writes on SQLite and 10% more
+    /// on PostgreSQL, and a lone client's on PostgreSQL 8% faster (docs/benchmark.md,
+    /// seventeenth session).
+    pub fn workers_for(&self, _cores: usize) -> usize {
+        1
     }
 
-    /// The connection threads beside the runtime's workers (see [`Self::workers_for`]).
-    pub fn connection_threads_for(&self, cores: usize, sqlite: bool) -> usize {
-        match sqlite {
-            true => self.serving(cores) - 1,
-            false => 0,
-        }
+    /// The connection threads beside the runtime's worker (see [`Self::workers_for`]).
+    pub fn connection_threads_for(&self, cores: usize) -> usize {
+        self.serving(cores) - 1
     }
 
     fn serving(&self, cores: usize) -> usize {
