@@ -108,10 +108,10 @@ pub fn main() -> ExitCode {
         } => explain(&config, &method, &url_path, &headers, body),
         Command::Serve => {
             let mut rt = tokio::runtime::Builder::new_multi_thread();
+            // One worker; the other serving threads are connection threads (`threads`).
             // TOKIO_WORKER_THREADS, when set, is the runtime's own override (tokio reads it).
             if std::env::var_os("TOKIO_WORKER_THREADS").is_none() {
-                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-                rt.worker_threads(config.server.workers_for(cores));
+                rt.worker_threads(1);
             }
             run_on(rt, serve(config))
         }

@@ -35,47 +35,38 @@ pub fn for_config(config: &crate::config::Config) -> usize {
     config.server.connection_threads_for(cores)
 }
 
-/// One connection thread: its runtime, what stops it, and the thread.
-struct Thread {
-    handle: Handle,
-    stop: Option<oneshot::Sender<()>>,
-    join: Option<std::thread::JoinHandle<()>>,
-}
-
-/// The connection threads of one server.
+/// The connection threads of one server. Dropped without [`ConnThreads::stop`], its threads
+/// end on their own (each one's stop signal is dropped with it), unwaited.
 pub struct ConnThreads {
-    threads: Mutex<Vec<Thread>>,
     handles: Vec<Handle>,
+    /// Each thread's stop signal and the thread, until [`ConnThreads::stop`].
+    running: Mutex<Vec<(oneshot::Sender<()>, std::thread::JoinHandle<()>)>>,
     next: AtomicUsize,
 }
 
 impl ConnThreads {
-    /// Starts `n` threads (none: every connection stays on the runtime's workers).
+    /// Starts `n` threads (none: every connection stays on the runtime's worker).
     pub fn start(n: usize) -> std::io::Result<ConnThreads> {
-        let mut threads = Vec::with_capacity(n);
+        let (mut handles, mut running) = (Vec::with_capacity(n), Vec::with_capacity(n));
         for i in 1..=n {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
             let (stop, stopped) = oneshot::channel::<()>();
-            let handle = rt.handle().clone();
+            handles.push(rt.handle().clone());
             let join = std::thread::Builder::new()
                 .name(format!("idemproxy-conn{i}"))
                 .spawn(move || {
                     INDEX.with(|c| c.set(i));
-                    // Runs until stopped (or its `ConnThreads` is dropped); what is left on it
-                    // then is dropped with the runtime, on this thread.
+                    // Runs until stopped (or its sender is dropped); what is left on it then
+                    // is dropped with the runtime, on this thread.
                     let _ = rt.block_on(stopped);
                 })?;
-            threads.push(Thread {
-                handle,
-                stop: Some(stop),
-                join: Some(join),
-            });
+            running.push((stop, join));
         }
         Ok(ConnThreads {
-            handles: threads.iter().map(|t| t.handle.clone()).collect(),
-            threads: Mutex::new(threads),
+            handles,
+            running: Mutex::new(running),
             next: AtomicUsize::new(0),
         })
     }
@@ -89,7 +80,7 @@ impl ConnThreads {
         self.handles.is_empty()
     }
 
-    /// Where the next connection goes, in turn: `None` for the runtime's workers, or one of
+    /// Where the next connection goes, in turn: `None` for the runtime's worker, or one of
     /// the threads.
     pub fn next(&self) -> Option<&Handle> {
         if self.handles.is_empty() {
@@ -99,30 +90,20 @@ impl ConnThreads {
         turn.checked_sub(1).map(|i| &self.handles[i])
     }
 
-    /// Stops the threads and waits for them (blocking: call it off the runtime's workers).
+    /// Stops the threads and waits for them (blocking: call it off the runtime's worker).
     /// Their connections must be over: what remains on them (idle upstream connections) is
     /// dropped.
     pub fn stop(&self) {
-        let mut threads = self.threads.lock().unwrap_or_else(|p| p.into_inner());
-        for t in threads.iter_mut() {
-            if let Some(stop) = t.stop.take() {
+        let running = std::mem::take(&mut *self.running.lock().unwrap_or_else(|p| p.into_inner()));
+        let joins: Vec<_> = running
+            .into_iter()
+            .map(|(stop, join)| {
                 let _ = stop.send(());
-            }
-        }
-        for t in threads.iter_mut() {
-            if let Some(join) = t.join.take() {
-                let _ = join.join();
-            }
-        }
-    }
-}
-
-impl Drop for ConnThreads {
-    fn drop(&mut self) {
-        // Dropping the senders ends each thread's `block_on`; nobody waits for them here.
-        let threads = self.threads.get_mut().unwrap_or_else(|p| p.into_inner());
-        for t in threads.iter_mut() {
-            t.stop.take();
+                join
+            })
+            .collect();
+        for join in joins {
+            let _ = join.join();
         }
     }
 }

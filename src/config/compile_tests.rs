@@ -268,16 +268,12 @@ fn reconcile_expectations_never_read_what_the_fingerprint_ignores() {
 fn serving_threads_default_to_the_cores_and_can_be_set() {
     let cfg = compile_str(BASE).unwrap();
     assert_eq!(cfg.server.workers, None);
-    let threads = |c: &Config, cores| {
-        let s = &c.server;
-        (s.workers_for(cores), s.connection_threads_for(cores))
-    };
     // One runtime worker; the other serving threads connection threads.
-    assert_eq!(threads(&cfg, 2), (1, 1));
-    assert_eq!(threads(&cfg, 8), (1, 7));
-    assert_eq!(threads(&cfg, 1), (1, 0));
+    assert_eq!(cfg.server.connection_threads_for(2), 1);
+    assert_eq!(cfg.server.connection_threads_for(8), 7);
+    assert_eq!(cfg.server.connection_threads_for(1), 0);
     let set = compile_str(&BASE.replace("[server]\n", "[server]\nworkers = 3\n")).unwrap();
-    assert_eq!(threads(&set, 2), (1, 2));
+    assert_eq!(set.server.connection_threads_for(2), 2);
     for bad in ["0", "-1", "5000"] {
         let e = first_error(&BASE.replace("[server]\n", &format!("[server]\nworkers = {bad}\n")));
         assert!(e.contains("workers") || e.contains("1 to 1024"), "{e}");

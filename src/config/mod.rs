@@ -57,24 +57,19 @@ pub struct ServerConfig {
     /// one client cannot take every slot of [`ServerConfig::max_connections`].
     pub max_connections_per_ip: usize,
     /// Threads serving requests (the async runtime's worker and the connection threads beside
-    /// it); `None`: one per core. See [`ServerConfig::workers_for`].
+    /// it); `None`: one per core. See [`ServerConfig::connection_threads_for`].
     pub workers: Option<usize>,
     pub tls: Option<TlsFiles>,
 }
 
 impl ServerConfig {
-    /// The async runtime's workers: one. The other serving threads ([`ServerConfig::workers`],
-    /// by default one per core) are connection threads ([`crate::threads`]): a store's reply
-    /// to a request then wakes the thread that request runs on. With two runtime workers it
-    /// woke the other one, and a lone first write on SQLite took 60–90 µs longer; connection
-    /// threads beside one worker served 15% more concurrent first writes on SQLite and 10% more
-    /// on PostgreSQL, and a lone client's on PostgreSQL 8% faster (docs/benchmark.md,
-    /// seventeenth session).
-    pub fn workers_for(&self, _cores: usize) -> usize {
-        1
-    }
-
-    /// The connection threads beside the runtime's worker (see [`Self::workers_for`]).
+    /// The connection threads beside the async runtime's one worker ([`crate::threads`]): the
+    /// serving threads ([`ServerConfig::workers`], by default one per core) but that worker.
+    /// A store's reply to a request then wakes the thread that request runs on. With two
+    /// runtime workers it woke the other one, and a lone first write on SQLite took 60–90 µs
+    /// longer; connection threads beside one worker served 15% more concurrent first writes on
+    /// SQLite and 10% more on PostgreSQL, and a lone client's on PostgreSQL 8% faster
+    /// (docs/benchmark.md, seventeenth session).
     pub fn connection_threads_for(&self, cores: usize) -> usize {
         self.serving(cores) - 1
     }

@@ -155,13 +155,13 @@ pub enum Finish {
     Unknown,
 }
 
-/// See [`Store::observe_releases`].
 /// Told how a write nobody waits on went (see [`Keys::finish_answered_later`]).
 pub type AfterCommit = Box<dyn FnOnce(StoreResult<bool>) + Send>;
 
 /// A write handed back for its caller to drive.
 pub type Pending = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
+/// See [`Store::observe_releases`].
 pub type ReleaseObserver = std::sync::Arc<dyn Fn(Option<&str>) + Send + Sync>;
 
 /// A held cross-process lease on one entity, with its fencing epoch.

@@ -12,8 +12,9 @@
 //! with nothing to do is woken, once, as a lone client's outcome must not wait for a
 //! reservation that may never come.
 
-use super::writer::{Ctx, Heard, Job};
-use crate::store::{AfterCommit, StoreError, StoreResult};
+use super::writer::{deliver, Ctx, Heard, Job};
+use crate::store::{AfterCommit, StoreResult};
+use std::collections::VecDeque;
 use std::sync::Mutex;
 
 /// An outcome's write: whether it was stored (`false`: fenced off).
@@ -29,22 +30,13 @@ impl Later {
     /// The write as a job of the batch's: `then` hears of it after the commit, as every write
     /// heard of at its commit does.
     fn job(self) -> Job {
-        Box::new(move |ctx| {
-            let res = (self.run)(ctx);
-            let then = self.then;
-            Box::new(move |failure: Option<&str>| {
-                then(match failure {
-                    Some(why) => Err(StoreError::Unavailable(why.to_owned())),
-                    None => res,
-                })
-            })
-        })
+        Box::new(move |ctx| deliver(self.then, (self.run)(ctx)))
     }
 }
 
 #[derive(Default)]
 struct List {
-    waiting: Vec<Later>,
+    waiting: VecDeque<Later>,
     /// The writer is blocked on its queue with nothing to do: the next push wakes it.
     parked: bool,
     /// The writer has stopped: nothing more is taken.
@@ -69,7 +61,7 @@ impl Deferred {
         if list.closed {
             return Err(later);
         }
-        list.waiting.push(later);
+        list.waiting.push_back(later);
         Ok(std::mem::take(&mut list.parked))
     }
 
@@ -102,6 +94,12 @@ impl Deferred {
         let mut list = self.list();
         let n = room.min(list.waiting.len());
         jobs.extend(list.waiting.drain(..n).map(|l| (l.job(), Heard::Committed)));
+    }
+
+    /// The first waiting outcome, as a job.
+    pub fn take_one(&self) -> Option<(Job, Heard)> {
+        let later = self.list().waiting.pop_front()?;
+        Some((later.job(), Heard::Committed))
     }
 
     /// The writer stops: what still waits, as jobs for its last batch; later pushes fail.

@@ -75,15 +75,17 @@ pub struct Ctx<'a> {
     pub cipher: Option<&'a crate::store::seal::Cipher>,
 }
 
-type Reply<T> = oneshot::Sender<StoreResult<T>>;
-
-/// Holds `res` until the commit; a failed commit turns it into that error.
-fn deliver<T: Send + 'static>(reply: Reply<T>, res: StoreResult<T>) -> Delivery {
+/// Holds `res` until the commit, then hands it to `to`; a failed commit turns it into that
+/// error.
+pub(super) fn deliver<T: Send + 'static>(
+    to: impl FnOnce(StoreResult<T>) + Send + 'static,
+    res: StoreResult<T>,
+) -> Delivery {
     Box::new(move |failure: Option<&str>| {
-        let _ = reply.send(match failure {
+        to(match failure {
             Some(msg) => Err(StoreError::Unavailable(msg.to_owned())),
             None => res,
-        });
+        })
     })
 }
 
@@ -170,7 +172,7 @@ impl Writer {
         F: FnOnce(&Ctx) -> StoreResult<T> + Send + 'static,
     {
         let (reply, rx) = oneshot::channel();
-        let job: Job = Box::new(move |ctx| deliver(reply, f(ctx)));
+        let job: Job = Box::new(move |ctx| deliver(move |res| drop(reply.send(res)), f(ctx)));
         self.tx
             .send_async(Msg::Job(job, heard))
             .await

@@ -141,16 +141,14 @@ impl Batch<'_> {
         if ran >= MAX_BATCH || self.closing.is_some() || !self.syncer.is_some_and(|s| s.busy()) {
             return None;
         }
-        let mut more = Vec::new();
         match self.queues.rx.try_recv() {
-            Ok(Msg::Job(j, heard)) => return Some((j, heard)),
+            Ok(Msg::Job(j, heard)) => Some((j, heard)),
             Ok(Msg::Close(tx)) => {
                 *self.closing = Some(tx);
-                return None;
+                None
             }
-            Ok(Msg::Nudge) | Err(_) => self.queues.deferred.take(1, &mut more),
+            Ok(Msg::Nudge) | Err(_) => self.queues.deferred.take_one(),
         }
-        more.pop()
     }
 }
 
