@@ -630,6 +630,39 @@ async fn leases_are_renewed_while_a_long_call_runs() {
     assert_eq!(upstream.max_concurrent("cus_long"), 1);
 }
 
+/// A call that outlives its key's lease keeps the key: the replica that holds it renews the
+/// lease while the upstream works (`lease_clock`), so a retry on another replica, well past
+/// the lease, waits for the outcome instead of finding it abandoned (a key with no entity
+/// lock: the lease alone stands between the replicas).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_lease_is_renewed_while_its_call_runs() {
+    let Some(c) = cluster(2, "600ms", RecordingUpstream::builder().hold()).await else {
+        return;
+    };
+    let (upstream, ps) = (&c.upstream, &c.ps);
+    let send = |url: String| {
+        tokio::spawn(async move {
+            let h = [("x-delivery-id", "delivery-renewed")];
+            post_json(&url, None, &json!({"customer": "cus_r"}), &h).await
+        })
+    };
+    let first = send(ps[0].url("/api/hooks"));
+    upstream.wait_for_held(1).await;
+    // Let wall-clock time run well past the lease: only renewal keeps the key in flight.
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    let retry = send(ps[1].url("/api/hooks"));
+    // Without renewal the retry finds the lease run out and answers `409 outcome_unknown`
+    // at once: it never waits, and this times out.
+    wait_for_waiting(&ps[1..], 1).await;
+    assert_eq!(upstream.count(), 1);
+    upstream.release_one();
+    first.await.unwrap().assert_status(200);
+    let retry = retry.await.unwrap();
+    retry.assert_status(200);
+    assert_eq!(retry.replayed(), Some(true));
+    assert_eq!(upstream.count(), 1, "forwarded once across the replicas");
+}
+
 /// A write to several entities holds the first while it waits for the next: those leases are
 /// renewed during the wait, so no other replica takes them meanwhile (and the write is never
 /// sent on a lease it lost).
