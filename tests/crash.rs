@@ -7,6 +7,9 @@
 //!   replays the very answer, or (its completion lost with the process) gets
 //!   `409 outcome_unknown`;
 //! - with `store.answer_before_commit = false`, an answered key always replays.
+//!
+//! And the database crashed right after answered first writes (PostgreSQL): outcomes may be
+//! lost with it, reservations never.
 
 mod common;
 use common::pg::PgServer;
@@ -158,4 +161,88 @@ async fn killed_under_load_on_postgres_answers_after_commit_all_replay() {
         return;
     };
     killed_under_load(&pg.store_toml(), false).await;
+}
+
+/// On PostgreSQL an answered caller's outcome commits without waiting for its own WAL flush
+/// (`Keys::finish_answered`); the reservation before the forward still waits for its flush.
+/// So the database crashing right after a burst of answered first writes may lose outcomes,
+/// never reservations: with the proxy's memory gone too, each retry replays its answer or
+/// gets `409 outcome_unknown`, and nothing reaches the upstream twice. The WAL writer is
+/// paused through the burst, so only synchronous commits put WAL on disk: a reservation
+/// committed as lazily as an outcome is lost in the crash, and its retry forwarded (checked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_crash_after_answers_loses_no_reservation() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    if !pg.owned() {
+        return; // a shared server (IDEMPROXY_TEST_PG_URL) is not ours to crash
+    }
+    let upstream = RecordingUpstream::start().await;
+    let dir = TestDir::new();
+    let toml = format!(
+        "{}\n{}lease = \"1s\"\n",
+        api_config(&upstream, "", "timeout = \"2s\"", CHARGES_ROUTE),
+        pg.store_toml()
+    );
+    let cfg = dir.write_config(&toml);
+    let mut process = ProxyProcess::spawn(&cfg).await;
+    let url = process.url("/api/v1/charges");
+    let wal_writer = pg.pause_wal_writer().await;
+    // Concurrent callers, so outcomes commit while other reservations wait for their flush.
+    let callers: Vec<_> = (0..8)
+        .map(|n| {
+            let url = url.clone();
+            tokio::spawn(async move {
+                let mut answered = Vec::new();
+                for i in 0..6 {
+                    let key = format!("db-crash-{n}-{i}");
+                    let headers = [
+                        ("idempotency-key", key.as_str()),
+                        ("content-type", "application/json"),
+                    ];
+                    let resp = request("POST", &url, &headers, body(&key)).await;
+                    resp.assert_status(200);
+                    answered.push((key, resp));
+                }
+                answered
+            })
+        })
+        .collect();
+    let mut answered = Vec::new();
+    for c in callers {
+        answered.extend(c.await.expect("caller"));
+    }
+    assert_eq!(upstream.count(), answered.len());
+    pg.crash_via(wal_writer).await;
+    process.kill().await;
+
+    let restarted = ProxyProcess::spawn(&cfg).await;
+    let url = restarted.url("/api/v1/charges");
+    let (mut replayed, mut unknown) = (0, 0);
+    for (key, first) in &answered {
+        let headers = [
+            ("idempotency-key", key.as_str()),
+            ("content-type", "application/json"),
+        ];
+        let retry = request("POST", &url, &headers, body(key)).await;
+        match retry.status {
+            200 => {
+                assert_eq!(retry.replayed(), Some(true), "{key}: forwarded again");
+                assert_eq!(retry.body, first.body, "{key}: another answer replayed");
+                replayed += 1;
+            }
+            409 => {
+                assert_eq!(retry.error_type(), Some("outcome_unknown"), "{key}");
+                unknown += 1;
+            }
+            status => panic!("{key}: retry answered {status}: {}", retry.text()),
+        }
+    }
+    eprintln!("after the database crash: {replayed} replayed, {unknown} outcomes lost");
+    assert_eq!(
+        upstream.count(),
+        answered.len(),
+        "a key was forwarded twice"
+    );
 }

@@ -90,6 +90,41 @@ impl PgServer {
         }
     }
 
+    /// Pauses the WAL writer (`SIGSTOP`): from then on WAL reaches the operating system only
+    /// when a synchronous commit flushes it (or the WAL buffers fill), never in the
+    /// background. Returns its process id, for [`PgServer::crash_via`].
+    pub async fn pause_wal_writer(&self) -> u32 {
+        let db = sqlx::PgPool::connect(&self.url).await.expect("connect");
+        let pid: i32 =
+            sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE backend_type = 'walwriter'")
+                .fetch_one(&db)
+                .await
+                .expect("the WAL writer's pid");
+        db.close().await;
+        signal(pid as u32, "-STOP");
+        pid as u32
+    }
+
+    /// Crashes the database by killing one of its processes (`SIGKILL`): the postmaster then
+    /// kills every backend and recovers from the WAL on disk, losing what was still in its
+    /// buffers — a database crash. Returns once it accepts connections again.
+    pub async fn crash_via(&self, pid: u32) {
+        signal(pid, "-KILL");
+        let up = async {
+            loop {
+                if let Ok(mut c) = sqlx::PgConnection::connect(&self.url).await {
+                    if sqlx::query("SELECT 1").execute(&mut c).await.is_ok() {
+                        return;
+                    }
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(30), up)
+            .await
+            .expect("PostgreSQL did not recover from the crash");
+    }
+
     /// Starts it again on the same port and data.
     pub fn restart(&self) {
         if let Some(c) = &self.cluster {
@@ -297,4 +332,12 @@ fn chown_to_postgres(dir: &Path) {
             .expect("chown");
         assert!(status.success(), "chown {} to postgres", dir.display());
     }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let status = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .expect("run kill");
+    assert!(status.success(), "kill {sig} {pid} failed");
 }

@@ -112,7 +112,10 @@ impl AuditLog for PgStore {
         for r in &mut rows {
             r.expires_at = self.clock.to_db(r.expires_at);
         }
-        let mut c = self.kept.take().await?;
+        // On the lazily durable pool: nobody waits on an audit row being on disk, and its own
+        // WAL flush queued the next reservation's behind it (as SQLite's writer syncs audit
+        // rows lazily).
+        let mut c = self.lazy.take().await?;
         append_audit(c.conn(), &rows).await?;
         c.done();
         Ok(())

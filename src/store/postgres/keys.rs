@@ -39,18 +39,15 @@ fn in_flight_at<'q>(
         .bind(epoch)
 }
 
-#[async_trait]
-impl Keys for PgStore {
-    async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
-        self.gets.call(id.clone()).await
-    }
-    /// New keys go in with `ON CONFLICT DO NOTHING`: a record that stands is read, not locked
-    /// (see `batched::reserve_many`).
-    async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
-        self.reserves.call(r).await?
-    }
-    async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
+impl PgStore {
+    /// Stores an outcome: with no entity effects, batched with others (see `batch`); with
+    /// effects, in a transaction of its own.
+    async fn finish_columns(
+        &self,
+        id: &ScopedKey,
+        epoch: i64,
+        c: crate::store::FinishColumns,
+    ) -> StoreResult<bool> {
         if c.effects.is_empty() {
             return self.finishes.call((id.clone(), epoch, c)).await;
         }
@@ -69,6 +66,40 @@ impl Keys for PgStore {
         tx.commit().await?;
         lent.done();
         Ok(owned)
+    }
+}
+
+#[async_trait]
+impl Keys for PgStore {
+    async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
+        self.gets.call(id.clone()).await
+    }
+    /// New keys go in with `ON CONFLICT DO NOTHING`: a record that stands is read, not locked
+    /// (see `batched::reserve_many`).
+    async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
+        self.reserves.call(r).await?
+    }
+    async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
+        let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
+        self.finish_columns(id, epoch, c).await
+    }
+    /// An outcome without entity effects commits asynchronously (`synchronous_commit = off`):
+    /// visible to every replica at once, on disk with the next synchronous commit of any
+    /// session (every reservation is one) or the WAL writer's next flush, within three
+    /// `wal_writer_delay`s. A database crash before then loses it: the key is left in flight
+    /// and, once its lease lapses, unknown — never forwarded again, as when this process dies
+    /// between the answer and the commit.
+    async fn finish_answered(
+        &self,
+        id: &ScopedKey,
+        epoch: i64,
+        outcome: Finish,
+    ) -> StoreResult<bool> {
+        let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
+        if !c.effects.is_empty() {
+            return self.finish_columns(id, epoch, c).await;
+        }
+        self.answered.call((id.clone(), epoch, c)).await
     }
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
         let sql = format!("UPDATE idem_keys SET lease_until = {NOW} + $5 WHERE {IN_FLIGHT_AT}");

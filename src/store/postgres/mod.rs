@@ -52,7 +52,8 @@ pub struct PgStore {
     /// whose durability the next synchronous commit provides — a lease taken or re-checked
     /// before a reservation (whose commit flushes the log through them, before anything is
     /// forwarded), a release (lost in a database crash, the lease only expires). Each of
-    /// these waited for its own WAL flush: three per request on an entity route.
+    /// these waited for its own WAL flush: three per request on an entity route. Audit rows
+    /// and the outcomes of callers already answered run here too (see `Keys::finish_answered`).
     lazy: kept::Kept,
     lazy_pool: PgPool,
     /// Reservations and outcomes, many per round trip (see [`batch`]).
@@ -60,6 +61,9 @@ pub struct PgStore {
     /// Reservations answer one by one (see `batched::reserve_many`).
     reserves: batch::Batcher<Reservation, StoreResult<Reserved>>,
     finishes: batch::Batcher<batched::Finishing, bool>,
+    /// Outcomes whose callers were already answered, on the lazily durable pool (see
+    /// `Keys::finish_answered`).
+    answered: batch::Batcher<batched::Finishing, bool>,
     /// Entity leases taken and released, many per statement, on the lazily durable pool
     /// (see [`leases`]).
     takes: batch::Batcher<leases::Taking, leases::Attempt>,
@@ -217,6 +221,19 @@ impl PgStore {
                 }
             })
         };
+        // The same on the lazily durable pool, for outcomes whose callers were answered: each
+        // commit no longer waits for a WAL flush of its own, which the next reservation's
+        // flush then queued behind (a lone client's first write paid two flushes, not one).
+        let answered = {
+            let clock = clock.clone();
+            batch::Batcher::start(1, lazy_pool.clone(), move |mut conn, fs| {
+                let clock = clock.clone();
+                async move {
+                    let out = batched::finish_many(&mut conn, &clock, fs).await;
+                    (Some(conn), out)
+                }
+            })
+        };
         // Takes as many in flight as reservations, releases one batch at a time: connections
         // of the lazy pool that its kept connections leave for them.
         let takes = batch::Batcher::start(
@@ -235,13 +252,14 @@ impl PgStore {
             kept: kept::Kept::new(pool.clone(), KEPT_CONNECTIONS),
             lazy: kept::Kept::new(
                 lazy_pool.clone(),
-                LAZY_CONNECTIONS as usize - 1 - batch::IN_FLIGHT - 1,
+                LAZY_CONNECTIONS as usize - 1 - batch::IN_FLIGHT - 1 - 1,
             ),
             lazy_pool,
             pool,
             gets,
             reserves,
             finishes,
+            answered,
             takes,
             releases,
             hub,
@@ -254,9 +272,9 @@ impl PgStore {
 }
 
 /// Connections of the lazily durable pool (see `PgStore::lazy`), out of the replica's 32.
-const LAZY_CONNECTIONS: u32 = 8;
+const LAZY_CONNECTIONS: u32 = 9;
 /// Connections the unbatched hot statements keep at most (see [`kept`]), of the main pool's
-/// 24: the batchers keep 5 more, and the rest serve transactions, listings and `LISTEN`.
+/// 23: the batchers keep 5 more, and the rest serve transactions, listings and `LISTEN`.
 const KEPT_CONNECTIONS: usize = 8;
 
 /// The pools' test before use: only a connection idle for a while is pinged (see `open`).
@@ -317,6 +335,7 @@ impl Store for PgStore {
         self.gets.close().await;
         self.reserves.close().await;
         self.finishes.close().await;
+        self.answered.close().await;
         self.takes.close().await;
         self.releases.close().await;
         self.kept.release_all();
