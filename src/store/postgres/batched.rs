@@ -207,13 +207,25 @@ async fn existing(
 }
 
 /// Stores a batch of outcomes without entity effects (those go one at a time, in a
-/// transaction with their effects: see `Keys::finish`).
+/// transaction with their effects: see `Keys::finish`). `Commit::Lazy` commits without
+/// waiting for the WAL flush (see `Keys::finish_answered`).
 pub(super) async fn finish_many(
     conn: &mut sqlx::PgConnection,
     clock: &Clock,
     fs: Vec<Finishing>,
+    commit: Commit,
 ) -> StoreResult<Vec<bool>> {
-    store_outcomes(conn, clock, &fs).await
+    store_outcomes(conn, clock, &fs, commit).await
+}
+
+/// How a statement's own (implicit) transaction commits.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(super) enum Commit {
+    /// As the session says: on the main pool, after its WAL is flushed.
+    Session,
+    /// Without waiting for the flush: `set_config('synchronous_commit', 'off', true)` in the
+    /// statement, which lasts until its transaction commits.
+    Lazy,
 }
 
 /// Stores every outcome whose epoch still owns its key (`false` for the fenced ones), and
@@ -224,7 +236,17 @@ pub(super) async fn store_outcomes<'e>(
     db: impl sqlx::PgExecutor<'e>,
     clock: &Clock,
     fs: &[Finishing],
+    commit: Commit,
 ) -> StoreResult<Vec<bool>> {
+    // The setting is read in the final `SELECT`, which runs once the update returned a row: a
+    // batch whose every outcome was fenced off commits as the session says.
+    let (lazy_cte, lazy_from) = match commit {
+        Commit::Session => ("", ""),
+        Commit::Lazy => (
+            "c AS MATERIALIZED (SELECT set_config('synchronous_commit', 'off', true) AS lazy), ",
+            ", c",
+        ),
+    };
     let ids =
         |f: fn(&ScopedKey) -> &str| -> Vec<&str> { fs.iter().map(|(id, _, _)| f(id)).collect() };
     let epochs: Vec<i64> = fs.iter().map(|(_, e, _)| *e).collect();
@@ -238,14 +260,15 @@ pub(super) async fn store_outcomes<'e>(
         .map(|(_, _, c)| c.expires_at.map(|t| clock.to_db(t)))
         .collect();
     let rows = sqlx::query(&format!(
-        "WITH u AS (UPDATE idem_keys k SET state = v.st, status = v.status, headers = v.h, body = v.b, \
+        "WITH {lazy_cte}u AS (UPDATE idem_keys k SET state = v.st, status = v.status, headers = v.h, body = v.b, \
            expires_at = v.x, enc_key = v.ek, owner = NULL, updated_at = {NOW} \
          FROM UNNEST($1::text[], $2::text[], $3::text[], $4::int8[], $5::text[], $6::int4[], $7::bytea[], $8::bytea[], $9::int8[], $10::text[]) \
            AS v(u, s, k, epoch, st, status, h, b, x, ek) \
          WHERE k.upstream = v.u AND k.scope = v.s AND k.key = v.k AND k.state = 'in_flight' AND k.epoch = v.epoch \
          RETURNING k.upstream, k.scope, k.key, k.watched) \
          SELECT upstream, scope, key, CASE WHEN watched THEN \
-           pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text END FROM u"
+           pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text END \
+         FROM u{lazy_from}"
     ))
     .bind(ids(|id| &id.upstream))
     .bind(ids(|id| &id.scope))

@@ -56,7 +56,9 @@ impl PgStore {
         let mut lent = self.kept.take().await?;
         let mut tx = sqlx::Connection::begin(lent.conn()).await?;
         let mut finishing = [(id.clone(), epoch, c)];
-        let owned = batched::store_outcomes(&mut *tx, &self.clock, &finishing).await?;
+        let owned =
+            batched::store_outcomes(&mut *tx, &self.clock, &finishing, batched::Commit::Session)
+                .await?;
         let owned = owned.first().copied().unwrap_or(false);
         if owned {
             let mut effects = std::mem::take(&mut finishing[0].2.effects);
@@ -83,12 +85,12 @@ impl Keys for PgStore {
         let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
         self.finish_columns(id, epoch, c).await
     }
-    /// An outcome without entity effects commits asynchronously (`synchronous_commit = off`):
-    /// visible to every replica at once, on disk with the next synchronous commit of any
-    /// session (every reservation is one) or the WAL writer's next flush, within three
-    /// `wal_writer_delay`s. A database crash before then loses it: the key is left in flight
-    /// and, once its lease lapses, unknown — never forwarded again, as when this process dies
-    /// between the answer and the commit.
+    /// An outcome without entity effects may commit asynchronously (`synchronous_commit =
+    /// off`; the batcher does so for a batch of one): visible to every replica at once, on
+    /// disk with the next synchronous commit of any session (every reservation is one) or the
+    /// WAL writer's next flush, within three `wal_writer_delay`s. A database crash before then
+    /// loses it: the key is left in flight and, once its lease lapses, unknown — never
+    /// forwarded again, as when this process dies between the answer and the commit.
     async fn finish_answered(
         &self,
         id: &ScopedKey,

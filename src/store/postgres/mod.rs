@@ -53,7 +53,7 @@ pub struct PgStore {
     /// before a reservation (whose commit flushes the log through them, before anything is
     /// forwarded), a release (lost in a database crash, the lease only expires). Each of
     /// these waited for its own WAL flush: three per request on an entity route. Audit rows
-    /// and the outcomes of callers already answered run here too (see `Keys::finish_answered`).
+    /// run here too.
     lazy: kept::Kept,
     lazy_pool: PgPool,
     /// Reservations and outcomes, many per round trip (see [`batch`]).
@@ -61,8 +61,7 @@ pub struct PgStore {
     /// Reservations answer one by one (see `batched::reserve_many`).
     reserves: batch::Batcher<Reservation, StoreResult<Reserved>>,
     finishes: batch::Batcher<batched::Finishing, bool>,
-    /// Outcomes whose callers were already answered, on the lazily durable pool (see
-    /// `Keys::finish_answered`).
+    /// Outcomes whose callers were already answered (see `Keys::finish_answered`).
     answered: batch::Batcher<batched::Finishing, bool>,
     /// Entity leases taken and released, many per statement, on the lazily durable pool
     /// (see [`leases`]).
@@ -216,20 +215,28 @@ impl PgStore {
             batch::Batcher::start(1, pool.clone(), move |mut conn, fs| {
                 let clock = clock.clone();
                 async move {
-                    let out = batched::finish_many(&mut conn, &clock, fs).await;
+                    let out =
+                        batched::finish_many(&mut conn, &clock, fs, batched::Commit::Session).await;
                     (Some(conn), out)
                 }
             })
         };
-        // The same on the lazily durable pool, for outcomes whose callers were answered: each
-        // commit no longer waits for a WAL flush of its own, which the next reservation's
-        // flush then queued behind (a lone client's first write paid two flushes, not one).
+        // The same for outcomes whose callers were answered, but a batch of one commits
+        // without waiting for its WAL flush. Alone, that flush was what the next reservation's
+        // queued behind: a lone client's first write waited for two flushes, not one. A larger
+        // batch (concurrent first writes) waits for its flush, which it shares with the
+        // reservations' flushes, while the next batch gathers; committed lazily, batches
+        // shrank, and first writes/s at 64 connections fell by 5% (twelfth session).
         let answered = {
             let clock = clock.clone();
-            batch::Batcher::start(1, lazy_pool.clone(), move |mut conn, fs| {
+            batch::Batcher::start(1, pool.clone(), move |mut conn, fs| {
                 let clock = clock.clone();
                 async move {
-                    let out = batched::finish_many(&mut conn, &clock, fs).await;
+                    let commit = match fs.len() {
+                        1 => batched::Commit::Lazy,
+                        _ => batched::Commit::Session,
+                    };
+                    let out = batched::finish_many(&mut conn, &clock, fs, commit).await;
                     (Some(conn), out)
                 }
             })
@@ -252,7 +259,7 @@ impl PgStore {
             kept: kept::Kept::new(pool.clone(), KEPT_CONNECTIONS),
             lazy: kept::Kept::new(
                 lazy_pool.clone(),
-                LAZY_CONNECTIONS as usize - 1 - batch::IN_FLIGHT - 1 - 1,
+                LAZY_CONNECTIONS as usize - 1 - batch::IN_FLIGHT - 1,
             ),
             lazy_pool,
             pool,
@@ -272,9 +279,9 @@ impl PgStore {
 }
 
 /// Connections of the lazily durable pool (see `PgStore::lazy`), out of the replica's 32.
-const LAZY_CONNECTIONS: u32 = 9;
+const LAZY_CONNECTIONS: u32 = 8;
 /// Connections the unbatched hot statements keep at most (see [`kept`]), of the main pool's
-/// 23: the batchers keep 5 more, and the rest serve transactions, listings and `LISTEN`.
+/// 24: the batchers keep 6 more, and the rest serve transactions, listings and `LISTEN`.
 const KEPT_CONNECTIONS: usize = 8;
 
 /// The pools' test before use: only a connection idle for a while is pinged (see `open`).
