@@ -631,7 +631,7 @@ async fn leases_are_renewed_while_a_long_call_runs() {
 }
 
 /// A call that outlives its key's lease keeps the key: the replica that holds it renews the
-/// lease while the upstream works (`lease_clock`), so a retry on another replica, well past
+/// lease while the upstream works (`Keys::renew`), so a retry on another replica, well past
 /// the lease, waits for the outcome instead of finding it abandoned (a key with no entity
 /// lock: the lease alone stands between the replicas).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -639,7 +639,7 @@ async fn a_key_lease_is_renewed_while_its_call_runs() {
     let Some(c) = cluster(2, "600ms", RecordingUpstream::builder().hold()).await else {
         return;
     };
-    let (upstream, ps) = (&c.upstream, &c.ps);
+    let (upstream, ps, pg) = (&c.upstream, &c.ps, &c.pg);
     let send = |url: String| {
         tokio::spawn(async move {
             let h = [("x-delivery-id", "delivery-renewed")];
@@ -648,8 +648,14 @@ async fn a_key_lease_is_renewed_while_its_call_runs() {
     };
     let first = send(ps[0].url("/api/hooks"));
     upstream.wait_for_held(1).await;
-    // Let wall-clock time run well past the lease: only renewal keeps the key in flight.
-    tokio::time::sleep(Duration::from_millis(2_000)).await;
+    // Until the lease has been renewed at least 1.2 s after the key was reserved: twice its
+    // first deadline. Only renewal keeps the key in flight that long; without it this never
+    // holds, and fails.
+    pg.until(
+        "SELECT EXISTS (SELECT 1 FROM idem_keys WHERE state = 'in_flight' \
+         AND lease_until - created_at > 1800)",
+    )
+    .await;
     let retry = send(ps[1].url("/api/hooks"));
     // Without renewal the retry finds the lease run out and answers `409 outcome_unknown`
     // at once: it never waits, and this times out.
