@@ -28,6 +28,13 @@ fn body(key: &str) -> String {
     format!(r#"{{"customer":"cus_1","amount":100,"ref":"{key}"}}"#)
 }
 
+fn headers(key: &str) -> [(&str, &str); 2] {
+    [
+        ("idempotency-key", key),
+        ("content-type", "application/json"),
+    ]
+}
+
 /// One caller's requests: (key, the answer if one came before the kill).
 type Sent = Vec<(String, Option<Resp>)>;
 
@@ -36,11 +43,7 @@ async fn caller(url: String, n: usize, answered: Arc<AtomicUsize>, enough: Arc<N
     let mut sent = Vec::new();
     for i in 0.. {
         let key = format!("crash-{n}-{i}");
-        let headers = [
-            ("idempotency-key", key.as_str()),
-            ("content-type", "application/json"),
-        ];
-        match try_request("POST", &url, &headers, body(&key)).await {
+        match try_request("POST", &url, &headers(&key), body(&key)).await {
             Ok(resp) => {
                 resp.assert_status(200);
                 sent.push((key, Some(resp)));
@@ -55,6 +58,64 @@ async fn caller(url: String, n: usize, answered: Arc<AtomicUsize>, enough: Arc<N
         }
     }
     sent
+}
+
+/// What the retries of every request sent came to.
+struct Retried {
+    replayed: usize,
+    unknown: usize,
+    /// Never reserved before the crash: forwarded by the retry, once.
+    fresh: usize,
+    /// Answered before the crash, and `unknown` on retry.
+    answered_lost: usize,
+}
+
+/// Retries every request of `sent` through `proxy`, one after another. A key reaches the
+/// upstream at most once; an answered key replays its very answer or reads `409
+/// outcome_unknown`; one never answered replays, reads unknown, or is forwarded for the first
+/// time.
+async fn retry_every(proxy: &ProxyProcess, upstream: &RecordingUpstream, sent: &Sent) -> Retried {
+    let url = proxy.url("/api/v1/charges");
+    let mut r = Retried {
+        replayed: 0,
+        unknown: 0,
+        fresh: 0,
+        answered_lost: 0,
+    };
+    for (key, first) in sent {
+        let retry = request("POST", &url, &headers(key), body(key)).await;
+        let posts = upstream
+            .requests()
+            .iter()
+            .filter(|r| r.body == body(key).as_bytes())
+            .count();
+        assert!(posts <= 1, "{key} reached the upstream {posts} times");
+        match (retry.status, first) {
+            (200, Some(first)) => {
+                assert_eq!(
+                    retry.replayed(),
+                    Some(true),
+                    "{key}: answered, then forwarded"
+                );
+                assert_eq!(retry.body, first.body, "{key}: another answer replayed");
+                r.replayed += 1;
+            }
+            (200, None) if retry.replayed() == Some(true) => r.replayed += 1,
+            (200, None) => {
+                assert_eq!(posts, 1, "{key}");
+                r.fresh += 1;
+            }
+            // Reserved before the kill, sent or not: the proxy cannot tell, and never guesses.
+            (409, first) => {
+                assert_eq!(retry.error_type(), Some("outcome_unknown"), "{key}");
+                r.unknown += 1;
+                // Answered, and its completion lost with the process.
+                r.answered_lost += usize::from(first.is_some());
+            }
+            (status, _) => panic!("{key}: retry answered {status}: {}", retry.text()),
+        }
+    }
+    r
 }
 
 async fn killed_under_load(store: &str, answer_before_commit: bool) {
@@ -83,45 +144,13 @@ async fn killed_under_load(store: &str, answer_before_commit: bool) {
     assert!(forwarded_before >= ANSWERS_BEFORE_KILL);
 
     let restarted = ProxyProcess::spawn(&cfg).await;
-    let url = restarted.url("/api/v1/charges");
-    let (mut replayed, mut unknown, mut fresh, mut answered_lost) = (0, 0, 0, 0);
-    for (key, first) in &sent {
-        let headers = [
-            ("idempotency-key", key.as_str()),
-            ("content-type", "application/json"),
-        ];
-        let retry = request("POST", &url, &headers, body(key)).await;
-        let posts = upstream
-            .requests()
-            .iter()
-            .filter(|r| r.body == body(key).as_bytes())
-            .count();
-        assert!(posts <= 1, "{key} reached the upstream {posts} times");
-        match (retry.status, first) {
-            (200, Some(first)) => {
-                assert_eq!(
-                    retry.replayed(),
-                    Some(true),
-                    "{key}: answered, then forwarded"
-                );
-                assert_eq!(retry.body, first.body, "{key}: another answer replayed");
-                replayed += 1;
-            }
-            (200, None) if retry.replayed() == Some(true) => replayed += 1,
-            (200, None) => {
-                assert_eq!(posts, 1, "{key}");
-                fresh += 1;
-            }
-            // Reserved before the kill, sent or not: the proxy cannot tell, and never guesses.
-            (409, first) => {
-                assert_eq!(retry.error_type(), Some("outcome_unknown"), "{key}");
-                unknown += 1;
-                // Answered, and its completion lost with the process.
-                answered_lost += usize::from(first.is_some());
-            }
-            (status, _) => panic!("{key}: retry answered {status}: {}", retry.text()),
-        }
-    }
+    let r = retry_every(&restarted, &upstream, &sent).await;
+    let Retried {
+        replayed,
+        unknown,
+        fresh,
+        answered_lost,
+    } = r;
     eprintln!(
         "{} keys: {forwarded_before} forwarded before the kill; on retry {replayed} replayed, \
          {unknown} unknown ({answered_lost} of them answered before the kill), {fresh} \
@@ -194,22 +223,18 @@ async fn a_database_crash_after_answers_loses_no_reservation() {
         .map(|n| {
             let url = url.clone();
             tokio::spawn(async move {
-                let mut answered = Vec::new();
+                let mut answered: Sent = Vec::new();
                 for i in 0..6 {
                     let key = format!("db-crash-{n}-{i}");
-                    let headers = [
-                        ("idempotency-key", key.as_str()),
-                        ("content-type", "application/json"),
-                    ];
-                    let resp = request("POST", &url, &headers, body(&key)).await;
+                    let resp = request("POST", &url, &headers(&key), body(&key)).await;
                     resp.assert_status(200);
-                    answered.push((key, resp));
+                    answered.push((key, Some(resp)));
                 }
                 answered
             })
         })
         .collect();
-    let mut answered = Vec::new();
+    let mut answered: Sent = Vec::new();
     for c in callers {
         answered.extend(c.await.expect("caller"));
     }
@@ -218,28 +243,11 @@ async fn a_database_crash_after_answers_loses_no_reservation() {
     process.kill().await;
 
     let restarted = ProxyProcess::spawn(&cfg).await;
-    let url = restarted.url("/api/v1/charges");
-    let (mut replayed, mut unknown) = (0, 0);
-    for (key, first) in &answered {
-        let headers = [
-            ("idempotency-key", key.as_str()),
-            ("content-type", "application/json"),
-        ];
-        let retry = request("POST", &url, &headers, body(key)).await;
-        match retry.status {
-            200 => {
-                assert_eq!(retry.replayed(), Some(true), "{key}: forwarded again");
-                assert_eq!(retry.body, first.body, "{key}: another answer replayed");
-                replayed += 1;
-            }
-            409 => {
-                assert_eq!(retry.error_type(), Some("outcome_unknown"), "{key}");
-                unknown += 1;
-            }
-            status => panic!("{key}: retry answered {status}: {}", retry.text()),
-        }
-    }
-    eprintln!("after the database crash: {replayed} replayed, {unknown} outcomes lost");
+    let r = retry_every(&restarted, &upstream, &answered).await;
+    eprintln!(
+        "after the database crash: {} replayed, {} outcomes lost",
+        r.replayed, r.unknown
+    );
     assert_eq!(
         upstream.count(),
         answered.len(),
