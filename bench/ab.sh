@@ -69,7 +69,7 @@ measure() { # BIN: "req/s cpu-µs-per-request" of one run on a fresh store
     -d '{"amount":100,"currency":"usd","customer":"cus_1"}' "http://127.0.0.1:$PROXY/api/v1/charges" >/dev/null
   local before after out
   before=$(cpu_us "$pid")
-  out=$(wrk -t2 -c"$CONN" -d"${DUR}s" -s "$SCRIPT" "http://127.0.0.1:$PROXY/api/v1/charges")
+  out=$(wrk -t"$(( CONN < 2 ? 1 : 2 ))" -c"$CONN" -d"${DUR}s" -s "$SCRIPT" "http://127.0.0.1:$PROXY/api/v1/charges")
   after=$(cpu_us "$pid")
   kill "$pid"; wait "$pid" 2>/dev/null || true
   echo "$out" | awk -v cpu=$((${after%.*} - ${before%.*})) \

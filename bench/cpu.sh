@@ -27,7 +27,7 @@ threads() { # tid name utime stime voluntary involuntary, every thread of PID
 T=$(mktemp -d); trap 'rm -rf "$T"' EXIT
 procs > "$T/p0"; threads > "$T/t0"; head -1 /proc/stat > "$T/s0"; awk '/^ctxt/ {print $2}' /proc/stat > "$T/c0"
 # Read the processes before wrk exits, so wrk itself is counted.
-wrk -t2 -c"$CONN" -d"${DUR}s" -s "$SCRIPT" "$URL" > "$T/wrk" &
+wrk -t"$(( CONN < 2 ? 1 : 2 ))" -c"$CONN" -d"${DUR}s" -s "$SCRIPT" "$URL" > "$T/wrk" &
 WRK=$!; sleep $((DUR - 1)); procs > "$T/p1"; wait "$WRK"
 threads > "$T/t1"; head -1 /proc/stat > "$T/s1"; awk '/^ctxt/ {print $2}' /proc/stat > "$T/c1"
 n=$(awk '/requests in/ {print $1}' "$T/wrk")

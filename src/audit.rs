@@ -62,15 +62,20 @@ async fn write_rows(
         };
         // Linger for more rows: at a light load each request would otherwise be a write batch
         // of its own, and the next request's reservation would queue behind it on SQLite's
-        // one writer.
-        let linger = tokio::time::sleep(LINGER);
-        tokio::pin!(linger);
-        while !stopping && buf.len() < BATCH {
-            let room = BATCH - buf.len();
+        // one writer. The linger sleeps without watching the queue and then takes what came:
+        // watching it woke this task (on the main runtime, usually from another thread) for
+        // every row sent meanwhile, a cross-thread wake-up per request. A full batch does not
+        // linger, so rows arriving faster than a batch per linger are written at once.
+        if !stopping && buf.len() < BATCH {
             tokio::select! {
-                n = rx.recv_many(&mut buf, room) => stopping = n == 0,
+                _ = tokio::time::sleep(LINGER) => {}
                 _ = stop.cancelled() => stopping = true,
-                _ = &mut linger => break,
+            }
+            while buf.len() < BATCH {
+                match rx.try_recv() {
+                    Ok(row) => buf.push(row),
+                    Err(_) => break,
+                }
             }
         }
         if stopping {
