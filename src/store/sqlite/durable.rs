@@ -36,6 +36,9 @@ struct Queue {
     syncing: bool,
     /// Commits nobody waits on are not yet synced (see [`Syncer::sync_soon`]).
     dirty: bool,
+    /// The syncer will look at `dirty` again without being woken: it is running, or waits
+    /// with a deadline that is no later than `LAZY_SYNC` after any commit made dirty since.
+    armed: bool,
     closing: bool,
 }
 
@@ -133,13 +136,17 @@ impl Syncer {
     }
 
     /// A commit nobody waits on: synced with the next write that is waited on, or within
-    /// [`LAZY_SYNC`] by the syncer.
+    /// [`LAZY_SYNC`] by the syncer. The syncer is woken only from its untimed wait: a lone
+    /// client's every outcome is such a commit, and each woke the syncer (a context switch a
+    /// request) although the next reservation's sync covered it.
     pub fn sync_soon(&self) {
         let (lock, ready) = &*self.shared;
         let mut q = lock.lock().unwrap_or_else(|p| p.into_inner());
         if !q.dirty {
             q.dirty = true;
-            ready.notify_one();
+            if !q.armed {
+                ready.notify_one();
+            }
         }
     }
 
@@ -187,14 +194,18 @@ fn run(wal: &File, shared: &(Mutex<Queue>, Condvar), poisoned: &AtomicBool) {
         let (batch, closing, lazy) = {
             let mut q = lock.lock().unwrap_or_else(|p| p.into_inner());
             let mut since = None;
+            q.armed = true;
             while q.waiting.is_empty() && !q.closing {
                 if !q.dirty {
                     since = None;
+                    q.armed = false;
                     q = ready.wait(q).unwrap_or_else(|p| p.into_inner());
+                    q.armed = true;
                     continue;
                 }
-                // Unsynced commits nobody waits on: synced once LAZY_SYNC has passed (a
-                // deadline, not a synchronization: nobody is woken by it).
+                // Unsynced commits nobody waits on: synced once LAZY_SYNC has passed since
+                // the first was seen (a deadline, not a synchronization: nobody is woken by
+                // it). A commit made dirty later, while armed, is synced no later than that.
                 let start = *since.get_or_insert_with(std::time::Instant::now);
                 let left = LAZY_SYNC.saturating_sub(start.elapsed());
                 if left.is_zero() {
