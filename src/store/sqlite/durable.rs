@@ -39,6 +39,8 @@ struct Queue {
     /// The syncer will look at `dirty` again without being woken: it is running, or waits
     /// with a deadline that is no later than `LAZY_SYNC` after any commit made dirty since.
     armed: bool,
+    /// `fdatasync`s the syncer thread has made (what tests wait for).
+    synced: u64,
     closing: bool,
 }
 
@@ -226,7 +228,9 @@ fn run(wal: &File, shared: &(Mutex<Queue>, Condvar), poisoned: &AtomicBool) {
             for d in batch {
                 d(failure.as_deref());
             }
-            lock.lock().unwrap_or_else(|p| p.into_inner()).syncing = false;
+            let mut q = lock.lock().unwrap_or_else(|p| p.into_inner());
+            q.syncing = false;
+            q.synced += 1;
         }
         if closing {
             return;
@@ -257,6 +261,44 @@ mod tests {
         syncer.close();
         let heard: Vec<_> = rx.try_iter().collect();
         assert_eq!(heard, vec![None, None, None]);
+    }
+
+    /// Waits (up to a minute) until the syncer thread has made `n` syncs.
+    fn until_synced(syncer: &Syncer, n: u64) -> bool {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while std::time::Instant::now() < deadline {
+            if syncer.shared.0.lock().unwrap().synced >= n {
+                return true;
+            }
+            // Polled: waiting on the syncer's condition variable could take its wake-up.
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        false
+    }
+
+    /// A commit nobody waits on is synced by the syncer within its deadline, also when it
+    /// comes while the syncer already waits with one (and is not woken for it), after the
+    /// writer's own sync cleared the commit before it.
+    #[test]
+    fn commits_nobody_waits_on_are_synced_by_the_syncer() {
+        let dir = tempfile::tempdir().unwrap();
+        let syncer = Syncer::on(File::create(dir.path().join("wal")).unwrap()).unwrap();
+        syncer.sync_soon();
+        assert!(
+            until_synced(&syncer, 1),
+            "a lone lazy commit was never synced"
+        );
+        // Armed again, then the writer syncs inline (clearing it) and a new one comes.
+        syncer.sync_soon();
+        let (tx, rx) = mpsc::channel();
+        syncer.after_sync(vec![reply(&tx)], true);
+        assert_eq!(rx.recv().unwrap(), None);
+        syncer.sync_soon();
+        assert!(
+            until_synced(&syncer, 2),
+            "a lazy commit made while armed was never synced"
+        );
+        syncer.close();
     }
 
     #[test]
