@@ -81,6 +81,18 @@ async fn replicas(n: usize, dir: &TestDir, toml: &str) -> Vec<ProxyProcess> {
 }
 
 /// A gauge or counter from a replica's `/metrics`.
+/// POSTs a webhook delivery (its key derived from `x-delivery-id`) for `customer`, in a task.
+fn send_hook(
+    url: String,
+    delivery: &'static str,
+    customer: &'static str,
+) -> tokio::task::JoinHandle<Resp> {
+    tokio::spawn(async move {
+        let h = [("x-delivery-id", delivery)];
+        post_json(&url, None, &json!({"customer": customer}), &h).await
+    })
+}
+
 async fn metric(p: &ProxyProcess, name: &str) -> u64 {
     let text = get(&p.admin_url("/metrics")).await.text();
     text.lines()
@@ -178,12 +190,7 @@ async fn a_retry_waiting_on_another_replica_wakes_at_the_outcome() {
         return;
     };
     let (upstream, ps) = (&c.upstream, &c.ps);
-    let send = |url: String| {
-        tokio::spawn(async move {
-            let h = [("x-delivery-id", "delivery-w")];
-            post_json(&url, None, &json!({"customer": "cus_w"}), &h).await
-        })
-    };
+    let send = |url: String| send_hook(url, "delivery-w", "cus_w");
     let first = send(ps[0].url("/api/hooks"));
     upstream.wait_for_held(1).await;
     let retry = send(ps[1].url("/api/hooks"));
@@ -640,12 +647,7 @@ async fn a_key_lease_is_renewed_while_its_call_runs() {
         return;
     };
     let (upstream, ps, pg) = (&c.upstream, &c.ps, &c.pg);
-    let send = |url: String| {
-        tokio::spawn(async move {
-            let h = [("x-delivery-id", "delivery-renewed")];
-            post_json(&url, None, &json!({"customer": "cus_r"}), &h).await
-        })
-    };
+    let send = |url: String| send_hook(url, "delivery-renewed", "cus_r");
     let first = send(ps[0].url("/api/hooks"));
     upstream.wait_for_held(1).await;
     // Until the lease has been renewed at least 1.2 s after the key was reserved: twice its

@@ -207,40 +207,17 @@ impl PgStore {
                 }
             })
         };
-        let finishes = {
-            let clock = clock.clone();
-            // One batch of outcomes at a time: most callers were answered before their outcome
-            // commits (`store.answer_before_commit`), so larger, fewer statements cost them
-            // nothing (A/B at 64 connections: ~4% more first writes/s than two in flight).
-            batch::Batcher::start(1, pool.clone(), move |mut conn, fs| {
-                let clock = clock.clone();
-                async move {
-                    let out =
-                        batched::finish_many(&mut conn, &clock, fs, batched::Commit::Session).await;
-                    (Some(conn), out)
-                }
-            })
-        };
+        // One batch of outcomes at a time: most callers were answered before their outcome
+        // commits (`store.answer_before_commit`), so larger, fewer statements cost them
+        // nothing (A/B at 64 connections: ~4% more first writes/s than two in flight).
+        let finishes = outcomes(&pool, &clock, batched::Commit::Session);
         // The same for outcomes whose callers were answered, but a batch of one commits
         // without waiting for its WAL flush. Alone, that flush was what the next reservation's
         // queued behind: a lone client's first write waited for two flushes, not one. A larger
         // batch (concurrent first writes) waits for its flush, which it shares with the
         // reservations' flushes, while the next batch gathers; committed lazily, batches
         // shrank, and first writes/s at 64 connections fell by 5% (twelfth session).
-        let answered = {
-            let clock = clock.clone();
-            batch::Batcher::start(1, pool.clone(), move |mut conn, fs| {
-                let clock = clock.clone();
-                async move {
-                    let commit = match fs.len() {
-                        1 => batched::Commit::Lazy,
-                        _ => batched::Commit::Session,
-                    };
-                    let out = batched::finish_many(&mut conn, &clock, fs, commit).await;
-                    (Some(conn), out)
-                }
-            })
-        };
+        let answered = outcomes(&pool, &clock, batched::Commit::Lazy);
         // Takes as many in flight as reservations, releases one batch at a time: connections
         // of the lazy pool that its kept connections leave for them.
         let takes = batch::Batcher::start(
@@ -276,6 +253,27 @@ impl PgStore {
             cipher,
         })
     }
+}
+
+/// A batcher of outcomes without entity effects, one batch at a time on `pool`: a batch of
+/// one commits as `alone` says, larger ones as the session does.
+fn outcomes(
+    pool: &PgPool,
+    clock: &Clock,
+    alone: batched::Commit,
+) -> batch::Batcher<batched::Finishing, bool> {
+    let clock = clock.clone();
+    batch::Batcher::start(1, pool.clone(), move |mut conn, fs| {
+        let clock = clock.clone();
+        async move {
+            let commit = match fs.len() {
+                1 => alone,
+                _ => batched::Commit::Session,
+            };
+            let out = batched::finish_many(&mut conn, &clock, fs, commit).await;
+            (Some(conn), out)
+        }
+    })
 }
 
 /// Connections of the lazily durable pool (see `PgStore::lazy`), out of the replica's 32.
