@@ -30,7 +30,9 @@
 //!   fsync pipelined on a thread of its own: `store::sqlite::durable`, each commit's WAL
 //!   frames written in one call: `store::sqlite::walbuf`, the request path's reads on the
 //!   caller's thread: `store::sqlite::reader`, outcomes nobody waits on taken into the next
-//!   batch without waking the writer: `store::sqlite::deferred`) and PostgreSQL (replicas,
+//!   batch without waking the writer: `store::sqlite::deferred`, the writer watching its
+//!   queue before it blocks when that pays, under light load: `store::sqlite::writer_pace`)
+//!   and PostgreSQL (replicas,
 //!   leases, NOTIFY; statements batched, `store::postgres::batch` — entity leases too,
 //!   `store::postgres::leases` — and on connections kept between them,
 //!   `store::postgres::kept`) backends, the replay cache as a layer in front of either

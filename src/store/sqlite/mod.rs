@@ -22,6 +22,7 @@ mod reader;
 mod releases;
 mod walbuf;
 mod writer;
+mod writer_pace;
 
 use super::codec::encode_entities;
 use super::*;

@@ -4,6 +4,7 @@
 use super::{Ctx, Heard, Job, Linger, Msg, MAX_BATCH};
 use crate::store::sqlite::deferred::Deferred;
 use crate::store::sqlite::durable::{Delivery, Syncer};
+use crate::store::sqlite::writer_pace::{Pace, Ran};
 use crate::store::SharedCipher;
 use rusqlite::Connection;
 use std::sync::Arc;
@@ -18,13 +19,32 @@ pub(super) struct Queues {
 
 impl Queues {
     /// The next message, blocking only when no outcome waits (`Some(None)`: go on without
-    /// one); `None` once every sender is gone.
-    fn next(&self) -> Option<Option<Msg>> {
+    /// one); `None` once every sender is gone. The queue is watched for a while before the
+    /// thread blocks when `pace` says so, and `pace` learns how long the wait was.
+    fn next(&self, pace: &mut Pace) -> Option<Option<Msg>> {
         if !self.deferred.park() {
             return Some(None);
         }
+        let started = Instant::now();
+        if let Some(spin) = pace.spin() {
+            loop {
+                match self.rx.try_recv() {
+                    Ok(msg) => {
+                        self.deferred.unpark();
+                        pace.waited(started.elapsed());
+                        return Some(Some(msg));
+                    }
+                    Err(flume::TryRecvError::Disconnected) => return None,
+                    Err(flume::TryRecvError::Empty) if started.elapsed() < spin => {
+                        std::hint::spin_loop()
+                    }
+                    Err(flume::TryRecvError::Empty) => break,
+                }
+            }
+        }
         let msg = self.rx.recv().ok()?;
         self.deferred.unpark();
+        pace.waited(started.elapsed());
         Some(Some(msg))
     }
 }
@@ -43,7 +63,8 @@ pub(super) fn run(
         now: crate::store::now_ms(),
         cipher: cipher.as_deref(),
     };
-    while let Some(first) = queues.next() {
+    let mut pace = Pace::default();
+    while let Some(first) = queues.next(&mut pace) {
         let linger = || linger.wait(|| syncer.as_ref().is_some_and(Syncer::busy));
         gather(first, &queues, &mut jobs, &mut closing, linger);
         if !jobs.is_empty() {
@@ -52,7 +73,7 @@ pub(super) fn run(
                 closing: &mut closing,
                 syncer: syncer.as_ref(),
             };
-            run_batch(&ctx(&conn), std::mem::take(&mut jobs), batch);
+            pace.record(run_batch(&ctx(&conn), std::mem::take(&mut jobs), batch));
         }
         if closing.is_some() {
             break;
@@ -153,7 +174,8 @@ impl Batch<'_> {
 }
 
 /// Runs a batch in one transaction; callers hear back only after the commit (and its sync).
-fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) {
+/// Returns what it ran, for [`Pace`].
+fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) -> Ran {
     let conn = ctx.conn;
     if !conn.is_autocommit() {
         // A transaction left open by a failed commit is let go before the next one.
@@ -162,7 +184,7 @@ fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) {
     if let Err(e) = run_cached(conn, "BEGIN IMMEDIATE") {
         // Dropping the batch unrun drops its replies: every caller gets an error.
         tracing::error!(error = %e, "SQLite cannot begin a write");
-        return;
+        return Ran::default();
     }
     let started = std::time::Instant::now();
     let mut done: Vec<Delivery> = Vec::with_capacity(jobs.len());
@@ -184,14 +206,18 @@ fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) {
         }
     }
     let size = done.len() + committed.len();
-    let ran = started.elapsed();
+    let ran = Ran {
+        jobs: size,
+        waited_on: !done.is_empty(),
+    };
+    let took = started.elapsed();
     let failure = match conn.is_autocommit() {
         true => Some("the write batch was rolled back".to_owned()),
         false => commit(conn),
     };
     // After a failed fsync nothing is acknowledged, not even what is heard of at its commit.
     let failure = failure.or_else(|| batch.syncer.and_then(Syncer::failed).map(str::to_owned));
-    tracing::trace!(size, ?ran, total = ?started.elapsed(), "write batch committed");
+    tracing::trace!(size, ran = ?took, total = ?started.elapsed(), "write batch committed");
     match (batch.syncer, &failure) {
         // Committed: heard of once durable. Synced here when nothing else waits for the
         // writer, else on the syncer's thread while the next batch runs; what is heard of at
@@ -213,6 +239,7 @@ fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) {
             }
         }
     }
+    ran
 }
 
 /// Commits the batch's transaction: `Some(why)` when it could not.
