@@ -130,15 +130,18 @@ impl Writer {
         cipher: SharedCipher,
         syncer: Option<Syncer>,
     ) -> StoreResult<Writer> {
-        Writer::lingering(conn, cipher, syncer, Linger::WhileSyncing(LINGER))
+        let pace = super::writer_pace::Pace::default();
+        Writer::lingering(conn, cipher, syncer, Linger::WhileSyncing(LINGER), pace)
     }
 
-    /// [`start`](Self::start) with writes heard of at their commit lingering as `linger` says.
+    /// [`start`](Self::start) with writes heard of at their commit lingering as `linger` says,
+    /// and the queue watched before blocking as `pace` learns to.
     fn lingering(
         conn: Connection,
         cipher: SharedCipher,
         syncer: Option<Syncer>,
         linger: Linger,
+        pace: super::writer_pace::Pace,
     ) -> StoreResult<Writer> {
         let (tx, rx) = flume::bounded(8192);
         let deferred = Arc::new(Deferred::default());
@@ -148,7 +151,7 @@ impl Writer {
         };
         let thread = std::thread::Builder::new()
             .name("idemproxy-writer".into())
-            .spawn(move || thread::run(conn, queues, cipher, syncer, linger))
+            .spawn(move || thread::run(conn, queues, cipher, syncer, linger, pace))
             .map_err(|e| StoreError::Unavailable(format!("cannot start the writer: {e}")))?;
         Ok(Writer {
             tx,

@@ -31,7 +31,6 @@ pub(super) struct Ran {
 ///   spinning after reservations as well cost 24% more CPU a request and gained nothing.
 ///
 /// What it costs at most is [`SPIN`] of one core per wait that was predicted short and was not.
-#[derive(Default)]
 pub(super) struct Pace {
     /// Jobs per batch, a moving average over about the last eight batches.
     jobs: f32,
@@ -40,6 +39,20 @@ pub(super) struct Pace {
     short: [f32; 2],
     /// The kind of the last batch: the wait under way is judged and learned as that kind.
     after: usize,
+    /// How long a wait is watched for, and the longest that counts as short: [`SPIN`] (tests
+    /// set their own).
+    spin: Duration,
+}
+
+impl Default for Pace {
+    fn default() -> Pace {
+        Pace {
+            jobs: 0.0,
+            short: [0.0; 2],
+            after: 0,
+            spin: SPIN,
+        }
+    }
 }
 
 /// How long the writer watches its queue before it blocks, when [`Pace`] says it pays.
@@ -47,22 +60,38 @@ const SPIN: Duration = Duration::from_micros(200);
 /// The most jobs per batch, on average, that counts as light load.
 const LIGHT: f32 = 3.0;
 
+/// Moves `avg` an eighth of the way to `sample`: a moving average over about eight samples.
+fn average(avg: &mut f32, sample: f32) {
+    *avg += (sample - *avg) / 8.0;
+}
+
 impl Pace {
+    /// A pace that spins from its first wait, for `spin` at most: what the writer's tests use
+    /// to watch a spin under way.
+    #[cfg(test)]
+    pub(super) fn spinning(spin: Duration) -> Pace {
+        Pace {
+            short: [1.0; 2],
+            spin,
+            ..Pace::default()
+        }
+    }
+
     pub(super) fn record(&mut self, ran: Ran) {
-        self.jobs += (ran.jobs as f32 - self.jobs) / 8.0;
+        average(&mut self.jobs, ran.jobs as f32);
         self.after = usize::from(ran.waited_on);
     }
 
     /// The writer waited `d` for its next message.
     pub(super) fn waited(&mut self, d: Duration) {
-        let short = if d < SPIN { 1.0 } else { 0.0 };
-        let avg = &mut self.short[self.after];
-        *avg += (short - *avg) / 8.0;
+        let short = f32::from(u8::from(d < self.spin));
+        average(&mut self.short[self.after], short);
     }
 
     pub(super) fn spin(&self) -> Option<Duration> {
         let clients_return = self.short[0] >= 0.5;
-        (self.jobs <= LIGHT && clients_return && self.short[self.after] >= 0.5).then_some(SPIN)
+        let light = self.jobs <= LIGHT;
+        (light && clients_return && self.short[self.after] >= 0.5).then_some(self.spin)
     }
 }
 
@@ -77,31 +106,35 @@ mod tests {
         spin
     }
 
+    /// A lone client's `rounds` writes: each reservation's outcome comes `upstream` after its
+    /// batch, and the client's next reservation `client` after the outcome's.
+    fn lone_client(upstream: Duration, client: Duration, rounds: usize) -> Pace {
+        let mut pace = Pace::default();
+        for _ in 0..rounds {
+            batch(&mut pace, true, upstream);
+            batch(&mut pace, false, client);
+        }
+        pace
+    }
+
+    const FAST: Duration = Duration::from_micros(50);
+
     /// A lone client against a fast upstream: both waits short, so the writer spins after
     /// every batch once it has seen a few.
     #[test]
     fn a_lone_client_with_a_fast_upstream_is_waited_for() {
-        let mut pace = Pace::default();
-        let fast = Duration::from_micros(50);
-        for _ in 0..8 {
-            batch(&mut pace, true, fast);
-            batch(&mut pace, false, fast);
-        }
-        assert_eq!(batch(&mut pace, true, fast), Some(SPIN));
-        assert_eq!(batch(&mut pace, false, fast), Some(SPIN));
+        let mut pace = lone_client(FAST, FAST, 8);
+        assert_eq!(batch(&mut pace, true, FAST), Some(SPIN));
+        assert_eq!(batch(&mut pace, false, FAST), Some(SPIN));
     }
 
     /// Clients that pause between writes: the writer blocks at once, also after a reservation
     /// whose outcome comes quickly (nobody waits on the writer meanwhile).
     #[test]
     fn clients_that_pause_are_not_waited_for() {
-        let mut pace = Pace::default();
-        let (fast, pause) = (Duration::from_micros(50), Duration::from_millis(5));
-        for _ in 0..16 {
-            batch(&mut pace, true, fast);
-            batch(&mut pace, false, pause);
-        }
-        assert_eq!(batch(&mut pace, true, fast), None);
+        let pause = Duration::from_millis(5);
+        let mut pace = lone_client(FAST, pause, 16);
+        assert_eq!(batch(&mut pace, true, FAST), None);
         assert_eq!(batch(&mut pace, false, pause), None);
     }
 
@@ -109,14 +142,10 @@ mod tests {
     /// not for the upstream.
     #[test]
     fn a_slow_upstream_is_not_waited_for() {
-        let mut pace = Pace::default();
-        let (fast, slow) = (Duration::from_micros(50), Duration::from_millis(80));
-        for _ in 0..16 {
-            batch(&mut pace, true, slow);
-            batch(&mut pace, false, fast);
-        }
+        let slow = Duration::from_millis(80);
+        let mut pace = lone_client(slow, FAST, 16);
         assert_eq!(batch(&mut pace, true, slow), None);
-        assert_eq!(batch(&mut pace, false, fast), Some(SPIN));
+        assert_eq!(batch(&mut pace, false, FAST), Some(SPIN));
     }
 
     /// Under load (large batches) the writer never spins, however short its waits.

@@ -8,6 +8,15 @@ use std::task::{Context, Poll, Waker};
 /// A writer on a fresh database with one table, and the database's path; with `syncing`, a
 /// syncer on its WAL, idle (nothing is waiting for it).
 fn writer_with(linger: Linger, syncing: bool) -> (tempfile::TempDir, std::path::PathBuf, Writer) {
+    writer_pacing(linger, syncing, super::super::writer_pace::Pace::default())
+}
+
+/// [`writer_with`], its queue watched before blocking as `pace` says.
+fn writer_pacing(
+    linger: Linger,
+    syncing: bool,
+    pace: super::super::writer_pace::Pace,
+) -> (tempfile::TempDir, std::path::PathBuf, Writer) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("w.db");
     let conn = Connection::open(&path).unwrap();
@@ -15,7 +24,7 @@ fn writer_with(linger: Linger, syncing: bool) -> (tempfile::TempDir, std::path::
     conn.execute_batch("CREATE TABLE t (id INTEGER PRIMARY KEY)")
         .unwrap();
     let syncer = syncing.then(|| super::super::durable::Syncer::start(&path).unwrap());
-    let w = Writer::lingering(conn, None, syncer, linger).unwrap();
+    let w = Writer::lingering(conn, None, syncer, linger, pace).unwrap();
     (dir, path, w)
 }
 
@@ -205,4 +214,25 @@ async fn closing_commits_outcomes_handed_over_and_refuses_later_ones() {
         Err(StoreError::Closed)
     ));
     assert!(!committed(&path, 2));
+}
+
+/// A writer that spins (for up to an hour here, so it is surely still spinning) hears of every
+/// job as a blocked one would: an outcome handed over, a write, the close, none lost.
+#[tokio::test]
+async fn a_spinning_writer_misses_nothing() {
+    let pace = super::super::writer_pace::Pace::spinning(Duration::from_secs(3600));
+    let linger = Linger::WhileSyncing(Duration::from_secs(3600));
+    let (_dir, path, w) = writer_pacing(linger, true, pace);
+    // Parked: it owes nothing and watches its queue (an hour's spin, so not blocked on it).
+    within(parked(&w)).await;
+    let heard = later(&w, |ctx| Ok(insert(1)(ctx).is_ok()));
+    assert!(within(heard).await.unwrap().unwrap());
+    assert!(committed(&path, 1));
+    // Spinning again after that batch: a write that is waited on.
+    within(parked(&w)).await;
+    within(w.write(insert(2))).await.unwrap();
+    assert!(committed(&path, 2));
+    // And the close, which a writer that never looked at its queue again would not hear.
+    within(parked(&w)).await;
+    within(w.close()).await;
 }

@@ -55,6 +55,7 @@ pub(super) fn run(
     cipher: SharedCipher,
     syncer: Option<Syncer>,
     linger: Linger,
+    mut pace: Pace,
 ) {
     let mut jobs: Vec<(Job, Heard)> = Vec::with_capacity(MAX_BATCH);
     let mut closing = None;
@@ -63,7 +64,6 @@ pub(super) fn run(
         now: crate::store::now_ms(),
         cipher: cipher.as_deref(),
     };
-    let mut pace = Pace::default();
     while let Some(first) = queues.next(&mut pace) {
         let linger = || linger.wait(|| syncer.as_ref().is_some_and(Syncer::busy));
         gather(first, &queues, &mut jobs, &mut closing, linger);
