@@ -171,13 +171,15 @@ fn credential_warnings(config: &Config) -> Vec<String> {
             .upstream(&r.upstream)
             .map(|u| u.scope_headers.clone())
             .unwrap_or_default();
-        let used = [
-            ("key.derive", r.key.derive.as_ref()),
-            ("entity", r.entity.as_ref()),
-            ("version", r.version.as_ref()),
-        ];
+        let used = r.key.derive.iter().map(|t| ("key.derive", t)).chain(
+            [
+                ("entity", r.entity.as_ref()),
+                ("version", r.version.as_ref()),
+            ]
+            .into_iter()
+            .filter_map(|(w, t)| Some((w, t?))),
+        );
         for (what, t) in used {
-            let Some(t) = t else { continue };
             for src in t.sources() {
                 if let Source::Header(h) = src {
                     if crate::key::is_credential(h.as_str(), &extra) {

@@ -33,9 +33,40 @@ impl ProxyError {
 }
 
 /// The message with the proxy's type in front, so even an SDK that keeps only the message
-/// (stripe-python's `IdempotencyError` drops `code`) shows why.
+/// (stripe-python's `IdempotencyError` drops `code`) shows why; then, in plain words, what
+/// happened and what to do. MCP servers and agent toolkits hand this text to a model as the
+/// tool's error: it must say whether sending the call again is safe.
 fn said(e: &ProxyError) -> String {
-    format!("idemproxy {}: {}", e.kind.as_str(), e.message)
+    format!(
+        "idemproxy {}: {} ({})",
+        e.kind.as_str(),
+        advice(e.kind),
+        e.message
+    )
+}
+
+/// What a caller (often a model, through a tool wrapper) should do on each error, in two
+/// short sentences: what happened, and whether and how to retry.
+pub fn advice(kind: ErrorKind) -> &'static str {
+    use ErrorKind::*;
+    match kind {
+        OutcomeUnknown => "The write may or may not have happened. Sending the same request again, unchanged, is safe: it is never applied twice and returns the result once it is known; if this persists, a person must check the record.",
+        UpstreamTimeout => "The API did not answer in time; a write may have happened. Sending the same request again, unchanged, is safe: it is never applied twice and returns the result once known.",
+        UpstreamUnreachable => "The API could not be reached; nothing was applied. Sending the same request again later is safe.",
+        RequestInProgress => "The same request is still running. Wait a few seconds and send it again, unchanged, to get its result.",
+        EntityBusy => "Another write to the same record is still running; nothing was applied. Send the request again in a few seconds.",
+        StoreUnavailable => "The proxy cannot record writes right now; nothing was applied. Send the request again in a few seconds.",
+        KeyReused => "This idempotency key was already used for a different request; nothing was applied. Use a new key for a new action.",
+        AnswerTooLarge => "The write was applied once, but its answer was too large to keep. Do not send it again; read the record instead.",
+        StaleVersion => "The record changed since this write was prepared; nothing was applied. Read the record again before deciding what to write.",
+        EntityClaimed => "Another run owns this record; nothing was applied. Do not retry; tell a person if this is unexpected.",
+        PrecheckFailed => "The record is not in the state this write expects; nothing was applied. Read it again before deciding what to do.",
+        KeyMissing | EntityMissing | VersionMissing => "The proxy cannot tell this request from others; nothing was applied. Include the missing field, or ask the operator to configure the route.",
+        BodyInvalid | BodyTooLarge | BadPath | BadMethod | KeyInvalid | BodyTimeout => "The request was malformed; nothing was applied. Fix it before sending it again.",
+        NoRoute | NotFound => "Nothing was found at this address; nothing was applied.",
+        Forbidden | Unauthorized => "The request was refused; nothing was applied.",
+        Internal => "The proxy failed; a write may have happened. Sending the same request again, unchanged, is safe.",
+    }
 }
 
 /// The proxy's fields beside the message: the key and any details.

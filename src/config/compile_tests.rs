@@ -147,7 +147,7 @@ fn key_defaults_follow_the_spec() {
         k.header.as_ref().map(|h| h.as_str()),
         Some("idempotency-key")
     );
-    assert_eq!(k.derive.as_ref().map(|d| d.text()), Some("{fingerprint}"));
+    assert_eq!(k.derive.first().map(|d| d.text()), Some("{fingerprint}"));
     assert!(k.required);
     let cfg = compile_str(&with_route("name = \"r\"\nupstream = \"api\"\npath = \"/x\"\nkey = { header = \"\", derive = \"{body.id}\" }")).unwrap();
     assert!(cfg.routes[0].key.header.is_none());

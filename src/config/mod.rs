@@ -18,6 +18,7 @@ pub use crate::key::FingerprintRule;
 use crate::route::PathPattern;
 use crate::template::Template;
 use http::{HeaderName, Method};
+pub use routes::intent_only;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -195,8 +196,23 @@ pub enum InFlight {
 pub struct KeyRule {
     /// `None` when `header = ""`: client keys are ignored.
     pub header: Option<HeaderName>,
-    pub derive: Option<Template>,
+    /// Tried in order: the first template whose every field the request has makes the key
+    /// (a workflow engine's run id when it sends one, else the intent alone). Empty: no
+    /// derivation.
+    pub derive: Vec<Template>,
     pub required: bool,
+    /// How long a key derived from the intent alone (a template that reads no header) stays
+    /// a retry: an identical call within it gets the first answer, one after it is a new
+    /// action. `None`: the route's retention. Keys from a client header or a run id keep
+    /// the retention.
+    pub window: Option<Duration>,
+}
+
+impl KeyRule {
+    /// The `{fingerprint}` default of a route without `key.derive`.
+    pub fn default_derive() -> Vec<Template> {
+        Template::parse("{fingerprint}").into_iter().collect()
+    }
 }
 
 #[derive(Debug)]
@@ -352,8 +368,9 @@ impl Route {
             entity: None,
             key: KeyRule {
                 header: Some(HeaderName::from_static("idempotency-key")),
-                derive: Template::parse("{fingerprint}").ok(),
+                derive: KeyRule::default_derive(),
                 required: true,
+                window: None,
             },
             in_flight: InFlight::Wait,
             mode,
@@ -382,12 +399,17 @@ impl Route {
                 self.path_text
             );
         }
-        let key = match (&self.key.header, &self.key.derive) {
-            (Some(h), Some(d)) => format!("header {h}, else derive {}", d.text()),
-            (Some(h), None) => format!("header {h}"),
-            (None, Some(d)) => format!("derive {}", d.text()),
-            (None, None) => "none".into(),
+        let derive: Vec<&str> = self.key.derive.iter().map(|d| d.text()).collect();
+        let derive = derive.join(", else ");
+        let mut key = match (&self.key.header, derive.is_empty()) {
+            (Some(h), false) => format!("header {h}, else derive {derive}"),
+            (Some(h), true) => format!("header {h}"),
+            (None, false) => format!("derive {derive}"),
+            (None, true) => "none".into(),
         };
+        if let Some(w) = self.key.window {
+            key.push_str(&format!("; intent-only keys a retry within {w:?}"));
+        }
         let required = if self.key.required {
             "required"
         } else {

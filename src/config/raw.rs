@@ -103,8 +103,10 @@ pub struct RawRoute {
 #[serde(deny_unknown_fields)]
 pub struct RawKey {
     pub header: Option<Str>,
-    pub derive: Option<Str>,
+    /// `"…"`, or a list tried in order (see `KeyRule::derive`).
+    pub derive: Option<Spanned<toml::Value>>,
     pub required: Option<bool>,
+    pub window: Option<Str>,
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -83,9 +83,13 @@ pub(super) fn route(
         .version
         .as_ref()
         .and_then(|v| check(cx, "version", v, true, false));
-    let (mut key_header, mut derive, mut required) =
-        (Some(HeaderName::from_static("idempotency-key")), None, true);
+    let (mut key_header, mut derive, mut required) = (
+        Some(HeaderName::from_static("idempotency-key")),
+        Vec::new(),
+        true,
+    );
     let mut derive_given = false;
+    let mut window = None;
     if let Some(k) = &r.key {
         let k = k.get_ref();
         if let Some(h) = &k.header {
@@ -96,25 +100,43 @@ pub(super) fn route(
         }
         if let Some(d) = &k.derive {
             derive_given = true;
-            // `derive = ""` turns derivation off.
-            if !d.get_ref().is_empty() {
-                derive = check(cx, "key.derive", d, entity.is_some(), true);
+            for d in derive_list(cx, &name, d) {
+                let d = &d;
+                // `derive = ""` turns derivation off.
+                if d.get_ref().is_empty() {
+                    continue;
+                }
+                if entity.is_none() && d.get_ref().contains("{entity}") {
+                    cx.err(
+                        d.span(),
+                        format!("route {name:?}: key.derive uses {{entity}} but the route has no entity"),
+                    );
+                }
+                derive.extend(check(cx, "key.derive", d, entity.is_some(), true));
             }
-            if entity.is_none() && d.get_ref().contains("{entity}") {
+        }
+        if k.window.is_some() {
+            let w = cx.dur(&k.window, Duration::ZERO);
+            if w.is_zero() {
                 cx.err(
-                    d.span(),
-                    format!(
-                        "route {name:?}: key.derive uses {{entity}} but the route has no entity"
-                    ),
+                    k.window.as_ref().map(|w| w.span()).unwrap_or(0..0),
+                    format!("route {name:?}: key.window must be longer than zero"),
                 );
             }
+            if !derive.iter().any(intent_only) {
+                cx.err(
+                    k.window.as_ref().map(|w| w.span()).unwrap_or(0..0),
+                    format!("route {name:?}: key.window applies to keys derived from the intent alone, and no key.derive template is (each reads a header)"),
+                );
+            }
+            window = Some(w);
         }
         required = k.required.unwrap_or(true);
     }
     if !derive_given {
-        derive = Template::parse("{fingerprint}").ok();
+        derive = KeyRule::default_derive();
     }
-    if key_header.is_none() && derive.is_none() && required {
+    if key_header.is_none() && derive.is_empty() && required {
         cx.err(
             sp.span(),
             format!("route {name:?}: key has neither header nor derive but is required"),
@@ -203,7 +225,9 @@ pub(super) fn route(
     };
     let needs_body = uses_body(&entity)
         || uses_body(&version)
-        || uses_body(&derive)
+        || derive
+            .iter()
+            .any(|t| t.uses(|s| matches!(s, Source::Body(_))))
         || precheck
             .as_ref()
             .is_some_and(|p| p.path.uses(|s| matches!(s, Source::Body(_))))
@@ -238,6 +262,7 @@ pub(super) fn route(
             header: key_header,
             derive,
             required,
+            window,
         },
         in_flight,
         mode,
@@ -251,5 +276,28 @@ pub(super) fn route(
         retention,
         needs_body,
         read_only,
+    })
+}
+
+/// A derive template that reads no header: the key is the intent alone (route, entity,
+/// fingerprint, body fields), so the same call from anyone, at any time, makes it.
+pub fn intent_only(t: &Template) -> bool {
+    !t.uses(|s| matches!(s, Source::Header(_)))
+}
+
+/// `derive = "…"` or `derive = ["…", "…"]`, each given the setting's span.
+fn derive_list(cx: &mut Ctx, name: &str, d: &Spanned<toml::Value>) -> Vec<Str> {
+    let span = d.span();
+    let one = |v: &toml::Value| v.as_str().map(|s| Spanned::new(span.clone(), s.to_owned()));
+    let list: Option<Vec<Str>> = match d.get_ref() {
+        toml::Value::Array(items) => items.iter().map(one).collect(),
+        v => one(v).map(|s| vec![s]),
+    };
+    list.unwrap_or_else(|| {
+        cx.err(
+            span.clone(),
+            format!("route {name:?}: key.derive must be a template or a list of templates"),
+        );
+        Vec::new()
     })
 }

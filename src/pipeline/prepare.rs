@@ -36,6 +36,9 @@ pub enum KeySource {
 pub struct Prepared {
     pub key: String,
     pub key_source: KeySource,
+    /// The route's `key.window`, when the key was derived from the intent alone: the
+    /// completed key is a retry's answer for this long only.
+    pub window: Option<std::time::Duration>,
     pub id: ScopedKey,
     pub fingerprint: String,
     /// Sorted, unique; each qualified with the credential scope (`name@scope`) unless the
@@ -174,16 +177,16 @@ pub fn plan_key(upstream: &Upstream, route: &Route, headers: &HeaderMap) -> Prox
             // An SDK's random per-call key says nothing about the intent: derive instead, so
             // a workflow-level retry (a new SDK call, a new random key) meets the first answer.
             let generated = upstream.sdk_keys.iter().any(|p| p.matches(&k));
-            if !(generated && route.key.derive.is_some()) {
+            if !(generated && !route.key.derive.is_empty()) {
                 return Ok(KeyPlan::Header(k));
             }
             return Ok(KeyPlan::Derive(Some(k)));
         }
     }
-    match (&route.key.derive, route.key.required) {
-        (Some(_), _) => Ok(KeyPlan::Derive(None)),
-        (None, false) => Ok(KeyPlan::Unprotected),
-        (None, true) => Err(ProxyError::new(
+    match (route.key.derive.is_empty(), route.key.required) {
+        (false, _) => Ok(KeyPlan::Derive(None)),
+        (true, false) => Ok(KeyPlan::Unprotected),
+        (true, true) => Err(ProxyError::new(
             ErrorKind::KeyMissing,
             format!("route {} needs an idempotency key header", route.name),
         )),
@@ -281,27 +284,19 @@ pub fn prepare(
     };
     let joined = entities.join(",");
     view.entity = (!entities.is_empty()).then_some(joined.as_str());
-    let (key, key_source) = match plan {
-        KeyPlan::Header(k) => (k, KeySource::Header),
-        KeyPlan::Derive(fallback) => {
-            let derive = route.key.derive.as_ref().ok_or_else(|| {
-                ProxyError::new(
+    let (key, key_source, window) = match plan {
+        KeyPlan::Header(k) => (k, KeySource::Header, None),
+        KeyPlan::Derive(fallback) => match (derive(route, &view), fallback) {
+            (Ok((raw, window)), _) => (key::normalize_derived(raw), KeySource::Derived, window),
+            // The request still carries the SDK's own key: better than refusing it.
+            (Err(_), Some(k)) => (k, KeySource::Header, None),
+            (Err(field), None) => {
+                return Err(ProxyError::new(
                     ErrorKind::KeyMissing,
-                    format!("route {} has no way to make a key", route.name),
-                )
-            })?;
-            match (derive.eval_one(&view), fallback) {
-                (Ok(raw), _) => (key::normalize_derived(raw), KeySource::Derived),
-                // The request still carries the SDK's own key: better than refusing it.
-                (Err(_), Some(k)) => (k, KeySource::Header),
-                (Err(field), None) => {
-                    return Err(ProxyError::new(
-                        ErrorKind::KeyMissing,
-                        format!("the key is derived from {{{field}}}, which the request lacks"),
-                    ))
-                }
+                    format!("the key is derived from {{{field}}}, which the request lacks"),
+                ))
             }
-        }
+        },
         KeyPlan::Unprotected => {
             return Err(ProxyError::new(
                 ErrorKind::KeyMissing,
@@ -355,6 +350,7 @@ pub fn prepare(
     Ok(Prepared {
         key,
         key_source,
+        window,
         id,
         fingerprint,
         entities,
@@ -362,6 +358,28 @@ pub fn prepare(
         precheck_path,
         reconcile,
     })
+}
+
+/// The key from the first derive template whose every field the request has, and the window
+/// it is kept for when that template is the intent alone. `Err`: the first template's missing
+/// field (the one a caller is told to send).
+fn derive(
+    route: &Route,
+    view: &RequestView<'_>,
+) -> Result<(String, Option<std::time::Duration>), String> {
+    let mut first_missing = None;
+    for t in &route.key.derive {
+        match t.eval_one(view) {
+            Ok(raw) => {
+                let window = route.key.window.filter(|_| crate::config::intent_only(t));
+                return Ok((raw, window));
+            }
+            Err(field) => {
+                first_missing.get_or_insert(field);
+            }
+        }
+    }
+    Err(first_missing.unwrap_or_else(|| format!("route {} has no way to make a key", route.name)))
 }
 
 /// The reconcile read of this request: its path, and its expectations evaluated over the

@@ -195,12 +195,17 @@ pub(super) fn finish_of(ctx: &Ctx, outcome: &Outcome) -> Finish {
     completed(ctx, stored)
 }
 
-/// A stored answer, kept for the route's retention, with its entity effects.
+/// A stored answer, kept for the route's retention (or the key's window, when it was derived
+/// from the intent alone), with its entity effects.
 pub(super) fn completed(ctx: &Ctx, stored: Arc<StoredResponse>) -> Finish {
+    let keep = ctx
+        .p
+        .window
+        .map_or(ctx.route.retention, |w| w.min(ctx.route.retention));
     Finish::Completed {
         effects: effects(ctx, stored.status),
         response: stored,
-        expires_at: after_ms(ctx.route.retention),
+        expires_at: after_ms(keep),
     }
 }
 
