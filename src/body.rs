@@ -120,6 +120,39 @@ impl BodyPath {
             .collect()
     }
 
+    /// Sets the one value the path names, making the objects on its way (a route's `stamp`).
+    /// `false` when it cannot: a step meets something other than an object, or an index
+    /// past the end, or `[*]` (load refuses stamps through `[*]`).
+    pub fn set(&self, root: &mut Value, value: Value) -> bool {
+        let Some((last, init)) = self.0.split_last() else {
+            return false;
+        };
+        let mut cur = root;
+        for step in init {
+            cur = match (step, cur) {
+                (Step::Key(k), Value::Object(m)) => m
+                    .entry(k.clone())
+                    .or_insert_with(|| Value::Object(Default::default())),
+                (Step::Index(i), Value::Array(a)) => match a.get_mut(*i) {
+                    Some(v) => v,
+                    None => return false,
+                },
+                _ => return false,
+            };
+        }
+        match (last, cur) {
+            (Step::Key(k), Value::Object(m)) => {
+                m.insert(k.clone(), value);
+                true
+            }
+            (Step::Index(i), Value::Array(a)) if *i < a.len() => {
+                a[*i] = value;
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Removes what the path reaches (for `fingerprint.ignore`).
     pub fn remove(&self, root: &mut Value) {
         remove_at(root, &self.0);

@@ -20,8 +20,8 @@
 //! - [`upstream`]: the upstream side: pooled clients (rustls, per-upstream trust roots), header
 //!   hygiene, the call of a protected request and its outcome table, passthrough streaming.
 //! - [`config`]: `proxy.toml`, parsed and validated into compiled types at load.
-//! - [`template`], [`body`], [`route`]: the little languages of routes — templates, body paths
-//!   and forms, path patterns.
+//! - [`template`], [`body`], [`route`], [`shape`]: the little languages of routes — templates,
+//!   body paths and forms, path patterns, a reconciled write's answer shaped from its read.
 //! - [`key`]: client keys, derived keys, fingerprints, credential scopes, and which secret
 //!   keys a store's scopes (`scope_secret`, or one derived from an encryption key).
 //! - [`locks`]: in-process one-holder/many-waiters locks for keys and entities.
@@ -69,6 +69,7 @@ pub mod reload;
 pub mod route;
 pub mod router;
 pub mod server;
+pub mod shape;
 pub mod state;
 pub mod store;
 pub mod template;

@@ -28,7 +28,15 @@ pub enum Source {
     Method,
     Entity,
     Fingerprint,
+    /// `{stamp}`: the value a stamped route writes into the body (see `Route::stamp`). Known
+    /// only once the key is reserved, so it is kept as written, unencoded, and filled in by
+    /// the reconcile read (request values are always percent-encoded: `{` never comes from
+    /// them). Only `reconcile.path` may use it.
+    Stamp,
 }
+
+/// What `{stamp}` evaluates to until the stamp is known.
+pub const STAMP_MARK: &str = "{stamp}";
 
 #[derive(Debug, Clone, PartialEq)]
 enum Part {
@@ -152,7 +160,7 @@ impl Template {
                 Part::Lit(s) => outs.iter_mut().for_each(|o| o.push_str(s)),
                 Part::Var(src) => {
                     let mut vals = lookup(src, view)?;
-                    if encode {
+                    if encode && *src != Source::Stamp {
                         for v in &mut vals {
                             *v = utf8_percent_encode(v, URL_VALUE).to_string();
                         }
@@ -203,16 +211,17 @@ fn parse_source(var: &str) -> Result<Source, String> {
             )
         }
         "body" => Source::Body(BodyPath::parse(need("body")?)?),
-        "route" | "method" | "entity" | "fingerprint" if tail.is_some() => {
+        "route" | "method" | "entity" | "fingerprint" | "stamp" if tail.is_some() => {
             return Err(format!("{{{var}}}: {head} takes no field"))
         }
         "route" => Source::Route,
         "method" => Source::Method,
         "entity" => Source::Entity,
         "fingerprint" => Source::Fingerprint,
+        "stamp" => Source::Stamp,
         other => {
             return Err(format!(
-                "{{{var}}}: unknown source {other:?} (use path, query, header, body, route, method, entity or fingerprint)"
+                "{{{var}}}: unknown source {other:?} (use path, query, header, body, route, method, entity, fingerprint or stamp)"
             ))
         }
     })
@@ -243,6 +252,7 @@ fn lookup(src: &Source, v: &RequestView<'_>) -> Result<Vec<String>, String> {
         Source::Method => Some(vec![v.method.to_owned()]),
         Source::Entity => v.entity.map(|e| vec![e.to_owned()]),
         Source::Fingerprint => v.fingerprint.map(|f| vec![f.to_owned()]),
+        Source::Stamp => Some(vec![STAMP_MARK.to_owned()]),
     };
     match found {
         Some(vals) if vals.iter().all(|s| !s.is_empty()) => Ok(vals),
@@ -261,6 +271,7 @@ pub fn source_name(src: &Source) -> String {
         Source::Method => "method".into(),
         Source::Entity => "entity".into(),
         Source::Fingerprint => "fingerprint".into(),
+        Source::Stamp => "stamp".into(),
     }
 }
 

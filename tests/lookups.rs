@@ -59,7 +59,7 @@ async fn concurrent_lookups_of_one_key_on_postgres_all_find_it() {
         lease: Duration::from_secs(60),
         take_unknown: false,
     };
-    let Reserved::Owned { epoch } = writer.reserve(reservation).await.expect("reserve") else {
+    let Reserved::Owned { epoch, .. } = writer.reserve(reservation).await.expect("reserve") else {
         panic!("a new key is ours");
     };
     let answer = StoredResponse {

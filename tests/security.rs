@@ -266,7 +266,7 @@ async fn credential_scopes_are_keyed_and_an_upgrade_keeps_old_keys() {
             })
             .await
             .expect("reserve");
-        let Reserved::Owned { epoch } = reserved else {
+        let Reserved::Owned { epoch, .. } = reserved else {
             panic!("fresh key")
         };
         let response = StoredResponse {

@@ -40,7 +40,15 @@ fn answer(n: u8) -> StoredResponse {
 
 fn owned(r: Reserved) -> i64 {
     match r {
-        Reserved::Owned { epoch } => epoch,
+        Reserved::Owned { epoch, .. } => epoch,
+        Reserved::Existing(rec) => panic!("expected to own the key, found {:?}", rec.state),
+    }
+}
+
+/// The action of an owned reservation.
+fn action(r: Reserved) -> i64 {
+    match r {
+        Reserved::Owned { action, .. } => action,
         Reserved::Existing(rec) => panic!("expected to own the key, found {:?}", rec.state),
     }
 }
@@ -48,7 +56,7 @@ fn owned(r: Reserved) -> i64 {
 fn existing(r: Reserved) -> KeyState {
     match r {
         Reserved::Existing(rec) => rec.state,
-        Reserved::Owned { epoch } => {
+        Reserved::Owned { epoch, .. } => {
             panic!("expected an existing record, got ownership (epoch {epoch})")
         }
     }
@@ -138,6 +146,60 @@ async fn suite(s: Arc<dyn Store>) {
         "the old epoch is fenced"
     );
     assert_eq!(s.get(&id("k2")).await.unwrap().unwrap().attempts, 2);
+
+    // Actions (what a stamped route stamps): a takeover of an unknown outcome continues the
+    // action it took over; a reservation of a released or expired key begins a new one.
+    let first = s
+        .reserve(reservation("k6", "fp", LONG, false))
+        .await
+        .unwrap();
+    let Reserved::Owned {
+        epoch: e6,
+        action: a6,
+    } = first
+    else {
+        panic!("k6 is new")
+    };
+    assert_eq!(a6, Reserved::NEW_ACTION);
+    assert!(s.finish(&id("k6"), e6, Finish::Unknown).await.unwrap());
+    let taken = s
+        .reserve(reservation("k6", "fp", LONG, true))
+        .await
+        .unwrap();
+    let Reserved::Owned {
+        epoch: e6b,
+        action: a6b,
+    } = taken
+    else {
+        panic!("k6 is unknown: taken over")
+    };
+    assert_eq!(a6b, a6, "a takeover continues the action");
+    let done = Finish::Completed {
+        response: answer(6).into(),
+        expires_at: store::now_ms() - 1,
+        effects: Default::default(),
+    };
+    assert!(s.finish(&id("k6"), e6b, done).await.unwrap());
+    let next = action(
+        s.reserve(reservation("k6", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    assert!(
+        next != a6,
+        "an expired key's next reservation is a new action"
+    );
+    let e6c = s.get(&id("k6")).await.unwrap().unwrap().epoch;
+    assert!(s.finish(&id("k6"), e6c, Finish::Released).await.unwrap());
+    let after_release = action(
+        s.reserve(reservation("k6", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    assert!(
+        after_release != next && after_release != a6,
+        "a released key's next reservation is a new action"
+    );
 
     // Unknown outcomes: only taken over with take_unknown (native idempotency upstreams).
     let e3 = owned(
@@ -733,7 +795,7 @@ async fn concurrent_suite(s: Arc<dyn Store>) {
     let mut epochs = Vec::new();
     for t in tasks {
         match t.await.unwrap() {
-            (k, Reserved::Owned { epoch }) => {
+            (k, Reserved::Owned { epoch, .. }) => {
                 owned_same += usize::from(k == "same");
                 epochs.push((k, epoch));
             }

@@ -38,7 +38,7 @@ async fn write(s: &Arc<dyn Store>, scope: &str, key: &str, entities: &[&str], ve
         })
         .await
         .expect("reserve");
-    let Reserved::Owned { epoch } = reserved else {
+    let Reserved::Owned { epoch, .. } = reserved else {
         panic!("fresh key {key}")
     };
     let response = StoredResponse {

@@ -240,6 +240,11 @@ pub struct Reconcile {
     pub after: Duration,
     /// Body fields a `found` answer must hold, else it counts as `not_found`.
     pub expect: Vec<(BodyPath, Expected)>,
+    /// The body a found write is answered with, when the read's own is not what the write
+    /// answers (a list read by `external_id` for a create that answers one object): JSON in
+    /// which a string `"{read}"` is the read's body and `"{read.X}"` its field `X`. A field
+    /// the read lacks counts as `not_found` (an empty list found nothing).
+    pub answer: Option<serde_json::Value>,
 }
 
 /// An expected value: as written, or a template over the original request.
@@ -284,6 +289,11 @@ pub struct Route {
     /// A read sent as POST (a search, a batch read): never keyed, locked or recorded;
     /// streamed through like a GET.
     pub read_only: bool,
+    /// The body field this route writes its stamp into before forwarding (`stamp =
+    /// "body.ticket.external_id"`): a value made from the scoped key and its action, so a
+    /// reconcile read can find the object by it (`{stamp}` in `reconcile.path`) where the API
+    /// has no other consistent read for a create.
+    pub stamp: Option<BodyPath>,
 }
 
 /// Every problem found in a config file, each as `file:line:col: message`.
@@ -384,6 +394,7 @@ impl Route {
             retention,
             needs_body: false,
             read_only: false,
+            stamp: None,
         }
     }
 
@@ -415,10 +426,13 @@ impl Route {
         } else {
             "optional"
         };
-        let reconcile = match &self.reconcile {
+        let mut reconcile = match &self.reconcile {
             Some(rc) => format!(" reconcile={} {}", rc.method, rc.path.text()),
             None => String::new(),
         };
+        if let Some(field) = &self.stamp {
+            reconcile.push_str(&format!(" stamp=body.{field}"));
+        }
         format!(
             "{}: upstream={} methods={} path={} entity={} key=[{key}] ({required}) in_flight={:?} mode={}{reconcile}",
             self.name,

@@ -97,6 +97,7 @@ pub struct RawRoute {
     pub reconcile: Option<Spanned<RawReconcile>>,
     pub retention: Option<Str>,
     pub read_only: Option<bool>,
+    pub stamp: Option<Str>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -139,4 +140,5 @@ pub struct RawReconcile {
     pub after: Option<Str>,
     #[serde(default)]
     pub expect: BTreeMap<String, Spanned<toml::Value>>,
+    pub answer: Option<Spanned<toml::Value>>,
 }

@@ -67,6 +67,9 @@ pub(super) fn route(
                 Source::Fingerprint if !allow_fp => {
                     Some(format!("{field} cannot use {{fingerprint}}"))
                 }
+                Source::Stamp if field != "reconcile.path" || r.stamp.is_none() => Some(format!(
+                    "{field} cannot use {{stamp}}: only reconcile.path can, on a route with stamp"
+                )),
                 _ => None,
             };
             if let Some(p) = problem {
@@ -219,6 +222,20 @@ pub(super) fn route(
         .retention
         .as_ref()
         .map_or(store_retention, |_| cx.dur(&r.retention, Duration::ZERO));
+    let stamp = r.stamp.as_ref().and_then(|s| {
+        let text = cx.s(s)?;
+        let parsed = match text.strip_prefix("body.").map(BodyPath::parse) {
+            Some(Ok(p)) if !p.0.contains(&crate::body::Step::All) => Ok(p),
+            Some(Ok(_)) => Err(format!("stamp {text:?}: one field, not [*]")),
+            Some(Err(e)) => Err(e),
+            None => Err(format!(
+                "stamp {text:?}: a body field, e.g. \"body.ticket.external_id\""
+            )),
+        };
+        parsed
+            .map_err(|e| cx.err(s.span(), format!("route {name:?}: {e}")))
+            .ok()
+    });
     let uses_body = |t: &Option<Template>| {
         t.as_ref()
             .is_some_and(|t| t.uses(|s| matches!(s, Source::Body(_))))
@@ -232,7 +249,8 @@ pub(super) fn route(
             .as_ref()
             .is_some_and(|p| p.path.uses(|s| matches!(s, Source::Body(_))))
         || reconcile.as_ref().is_some_and(|r| r.reads_body())
-        || !fingerprint.ignore.is_empty();
+        || !fingerprint.ignore.is_empty()
+        || stamp.is_some();
     let read_only = r.read_only.unwrap_or(false);
     if read_only
         && (entity.is_some()
@@ -241,11 +259,12 @@ pub(super) fn route(
             || release_claim
             || precheck.is_some()
             || reconcile.is_some()
+            || stamp.is_some()
             || r.key.is_some())
     {
         cx.err(
             sp.span(),
-            format!("route {name:?}: a read_only route is never keyed or locked: it takes no key, entity, version, claim, precheck or reconcile"),
+            format!("route {name:?}: a read_only route is never keyed or locked: it takes no key, entity, version, claim, precheck, reconcile or stamp"),
         );
     }
     if cx.errors.len() > errors_before {
@@ -276,6 +295,7 @@ pub(super) fn route(
         retention,
         needs_body,
         read_only,
+        stamp,
     })
 }
 

@@ -122,6 +122,7 @@ pub(super) fn reconcile(
         answer_status,
         after: reconcile_after(cx, name, &r.after),
         expect,
+        answer: r.answer.as_ref().and_then(|a| answer(cx, name, a)),
     })
 }
 
@@ -261,4 +262,19 @@ fn body_field(
             None
         }
     }
+}
+
+/// `reconcile.answer`: TOML as JSON, its `"{read}"` / `"{read.X}"` strings checked.
+fn answer(cx: &mut Ctx, name: &str, a: &Spanned<toml::Value>) -> Option<serde_json::Value> {
+    let json = serde_json::to_value(a.get_ref()).ok()?;
+    let mut bad = Vec::new();
+    crate::shape::visit_reads(&json, &mut |p| {
+        if let Err(e) = p {
+            bad.push(e);
+        }
+    });
+    for e in &bad {
+        cx.err(a.span(), format!("route {name:?}: reconcile.answer: {e}"));
+    }
+    bad.is_empty().then_some(json)
 }

@@ -49,6 +49,25 @@ impl Outgoing {
         })
     }
 
+    /// Writes `stamp` into the JSON body at `field` (step 1 checked the body is JSON).
+    fn stamp(&mut self, field: &crate::body::BodyPath, stamp: String) -> ProxyResult<()> {
+        let refuse = |why: &str| {
+            ProxyError::new(
+                ErrorKind::BodyInvalid,
+                format!("the route stamps its key into body.{field}, but {why}"),
+            )
+        };
+        let mut body: serde_json::Value =
+            serde_json::from_slice(&self.body).map_err(|_| refuse("the body is not JSON"))?;
+        if !field.set(&mut body, serde_json::Value::String(stamp)) {
+            return Err(refuse("the body has no place for it"));
+        }
+        let bytes = serde_json::to_vec(&body).map_err(|_| refuse("it could not be written"))?;
+        self.headers.remove(http::header::CONTENT_LENGTH);
+        self.body = Bytes::from(bytes);
+        Ok(())
+    }
+
     /// Whether step 1 got as far as building the request (an absolute URI has a host).
     pub(super) fn built(&self) -> bool {
         self.uri.host().is_some()
@@ -63,9 +82,36 @@ impl Outgoing {
     }
 }
 
-/// Step 6: the call, timed, counted in flight, the key's lease renewed every third of it.
+/// Step 6: the call, timed, counted in flight, the key's lease renewed every third of it; a
+/// stamped route's body carries the stamp.
 pub(super) async fn step(ctx: &mut Ctx) -> Outcome {
+    if let Some(field) = &ctx.route.stamp {
+        let stamp = ctx.stamp();
+        if let Err(e) = ctx.outgoing.stamp(field, stamp) {
+            return Outcome::NotSent(e.message);
+        }
+    }
     timed(ctx, true).await
+}
+
+impl Ctx {
+    /// This action's stamp: `idem-` and 32 hex digits of a hash of the scoped key and the
+    /// action, the same on every replica and every retry of the action, another for the next
+    /// action of the key (after its window, or a release) — so a reconcile read by the stamp
+    /// finds this action's object and never an earlier one's.
+    pub(super) fn stamp(&self) -> String {
+        use sha2::{Digest, Sha256};
+        let id = &self.p.id;
+        let mut h = Sha256::new();
+        for part in [&id.upstream, &id.scope, &id.key] {
+            h.update((part.len() as u64).to_be_bytes());
+            h.update(part.as_bytes());
+        }
+        h.update(self.action.to_be_bytes());
+        let mut out = String::from("idem-");
+        crate::key::push_hex(&mut out, &h.finalize()[..16]);
+        out
+    }
 }
 
 /// Step 6 without a reservation to renew (observe mode, when the key was not ours).

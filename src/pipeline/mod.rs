@@ -195,6 +195,9 @@ pub struct Ctx {
     leases: Option<StoreLeases>,
     /// Step 5: the reservation's fencing epoch.
     epoch: i64,
+    /// Step 5: the action the reservation is part of (see `Reserved::NEW_ACTION`), which a
+    /// stamped route's stamp is made from.
+    action: i64,
     started: Instant,
     lock_wait: Duration,
     upstream_time: Option<Duration>,
@@ -228,6 +231,7 @@ impl Ctx {
             entity_guards: Vec::new(),
             leases: None,
             epoch: 0,
+            action: 0,
             started: Instant::now(),
             lock_wait: Duration::ZERO,
             upstream_time: None,

@@ -169,8 +169,9 @@ async fn reserve_key(ctx: &mut Ctx) -> bool {
     // dedupes by our key (`would_for_record` let it through only then).
     let reservation = ctx.reservation(ctx.upstream.native_idempotency_header.is_some());
     match ctx.state.store.reserve(reservation).await {
-        Ok(Reserved::Owned { epoch }) => {
+        Ok(Reserved::Owned { epoch, action }) => {
             ctx.epoch = epoch;
+            ctx.action = action;
             true
         }
         Ok(Reserved::Existing(rec)) => {

@@ -177,7 +177,7 @@ pub fn plan_key(upstream: &Upstream, route: &Route, headers: &HeaderMap) -> Prox
             // An SDK's random per-call key says nothing about the intent: derive instead, so
             // a workflow-level retry (a new SDK call, a new random key) meets the first answer.
             let generated = upstream.sdk_keys.iter().any(|p| p.matches(&k));
-            if !(generated && !route.key.derive.is_empty()) {
+            if !generated || route.key.derive.is_empty() {
                 return Ok(KeyPlan::Header(k));
             }
             return Ok(KeyPlan::Derive(Some(k)));
@@ -226,6 +226,22 @@ pub fn prepare(
                 route.name
             ),
         ));
+    }
+    // A stamped body must take the stamp, or the key is refused before anything is reserved.
+    if let Some(field) = &route.stamp {
+        let mut probe = parsed.clone().filter(|_| kind == BodyKind::Json);
+        let fits = probe
+            .as_mut()
+            .is_some_and(|b| field.set(b, Value::String(String::new())));
+        if !fits {
+            return Err(ProxyError::new(
+                ErrorKind::BodyInvalid,
+                format!(
+                    "route {} stamps its key into body.{field}: the body must be a JSON object with room for it",
+                    route.name
+                ),
+            ));
+        }
     }
     let kind = if parsed.is_some() {
         kind

@@ -15,6 +15,7 @@ use super::{checks, side_read, store, Ctx};
 use crate::config::{Mode, Reconcile};
 use crate::error::ProxyError;
 use crate::store::{now_ms, Finish, KeyRecord, KeyState, StoredResponse, RECONCILED};
+use crate::template::STAMP_MARK;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -159,13 +160,18 @@ async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
         return Verdict::Failed("the route has no reconcile".into());
     };
     let started = Instant::now();
+    // `{stamp}` is known once the key is ours: this action's stamp.
+    let path = match ctx.route.stamp.is_some() && read.path.contains(STAMP_MARK) {
+        true => read.path.replace(STAMP_MARK, &ctx.stamp()),
+        false => read.path.clone(),
+    };
     let work = async {
         tokio::time::sleep(wait).await;
         let method = &rc.method;
         side_read::read(
             &ctx.client,
             method,
-            &read.path,
+            &path,
             &ctx.outgoing.headers,
             "reconcile",
         )
@@ -187,7 +193,7 @@ async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
         Verdict::Failed(_) => "reconcile_failed",
     };
     ctx.record_read(decision, status, took);
-    tracing::info!(key = %ctx.p.id.key, route = %ctx.route.name, path = %read.path, ?status, result = verdict.result(), "reconciled an unknown outcome");
+    tracing::info!(key = %ctx.p.id.key, route = %ctx.route.name, path = %path, ?status, result = verdict.result(), "reconciled an unknown outcome");
     verdict
 }
 
@@ -197,6 +203,17 @@ fn judge(rc: &Reconcile, read: &ReconcileRead, mut answer: StoredResponse) -> Ve
         let fields = rc.expect.iter().map(|(f, _)| f);
         if !side_read::holds(&answer.body, fields.zip(read.expect.iter())).0 {
             return Verdict::NotFound;
+        }
+        if let Some(shape) = &rc.answer {
+            // A field the shape names and the read lacks: nothing was found.
+            let body = serde_json::from_slice(&answer.body).ok();
+            let Some(body) = body.and_then(|b| crate::shape::fill(shape, &b)) else {
+                return Verdict::NotFound;
+            };
+            answer.body = bytes::Bytes::from(body.to_string());
+            answer
+                .headers
+                .retain(|(n, _)| !n.eq_ignore_ascii_case("content-length"));
         }
         answer.status = rc.answer_status.unwrap_or(answer.status);
         answer

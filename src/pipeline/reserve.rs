@@ -63,8 +63,9 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<bool> {
     entities_held(ctx).await?;
     let reservation = ctx.reservation(ctx.take_unknown);
     match ctx.state.store.reserve(reservation).await {
-        Ok(Reserved::Owned { epoch }) => {
+        Ok(Reserved::Owned { epoch, action }) => {
             ctx.epoch = epoch;
+            ctx.action = action;
             Ok(true)
         }
         Ok(Reserved::Existing(record)) => {

@@ -136,9 +136,21 @@ pub struct Reservation {
 #[derive(Debug)]
 pub enum Reserved {
     /// Ours, with this fencing epoch.
-    Owned { epoch: i64 },
+    Owned {
+        epoch: i64,
+        /// The action this reservation is part of (see [`Reserved::NEW_ACTION`]).
+        action: i64,
+    },
     /// Someone else's record stands; the pipeline decides (replay, wait, 409, 422).
     Existing(Box<KeyRecord>),
+}
+
+impl Reserved {
+    /// The action of a key's first reservation. An action is the epoch of the reservation
+    /// that began it: a takeover of an unknown outcome continues it, a reservation of a
+    /// released or expired key begins the next. A stamped route marks the object it creates
+    /// with its action, so a reconcile read cannot mistake an earlier action's object for it.
+    pub const NEW_ACTION: i64 = 1;
 }
 
 /// How a forward ended.

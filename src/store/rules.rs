@@ -16,6 +16,8 @@ pub fn effective_state(now: &str) -> String {
 pub const RESERVE_SET: &str = "fingerprint = excluded.fingerprint, route = excluded.route, \
      entities = excluded.entities, state = 'in_flight', owner = excluded.owner, \
      lease_until = excluded.lease_until, epoch = idem_keys.epoch + 1, \
+     action = CASE WHEN idem_keys.state IN ('in_flight', 'unknown') THEN idem_keys.action \
+       ELSE idem_keys.epoch + 1 END, \
      attempts = idem_keys.attempts + 1, updated_at = excluded.updated_at, \
      status = NULL, headers = NULL, body = NULL, enc_key = NULL, expires_at = NULL";
 

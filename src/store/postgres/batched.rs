@@ -98,8 +98,8 @@ async fn rounds(
         let (takeovers, fresh): (Vec<usize>, Vec<usize>) =
             round.into_iter().partition(|&i| rs[i].take_unknown);
         let mut upserts = takeovers;
-        for (i, epoch) in insert(conn, rs, fresh.clone(), None).await? {
-            out[i] = Some(Reserved::Owned { epoch });
+        for (i, epoch, action) in insert(conn, rs, fresh.clone(), None).await? {
+            out[i] = Some(Reserved::Owned { epoch, action });
         }
         let stood: Vec<usize> = fresh.into_iter().filter(|&i| out[i].is_none()).collect();
         let ids = stood.iter().map(|&i| rs[i].id.clone()).collect();
@@ -130,8 +130,8 @@ async fn rounds(
                 rules::RESERVE_SET,
                 rules::reservable(if take_unknown { "TRUE" } else { "FALSE" })
             );
-            for (i, epoch) in insert(conn, rs, group, Some(&conflict)).await? {
-                out[i] = Some(Reserved::Owned { epoch });
+            for (i, epoch, action) in insert(conn, rs, group, Some(&conflict)).await? {
+                out[i] = Some(Reserved::Owned { epoch, action });
             }
         }
         pending = later;
@@ -140,13 +140,13 @@ async fn rounds(
 }
 
 /// One multi-row reservation of `group` (indexes into `rs`): `ON CONFLICT DO NOTHING`, or the
-/// `conflict` action given. Returns the reserved ones with their epochs.
+/// `conflict` action given. Returns the reserved ones with their epochs and actions.
 async fn insert(
     conn: &mut sqlx::PgConnection,
     rs: &[Reservation],
     mut group: Vec<usize>,
     conflict: Option<&str>,
-) -> StoreResult<Vec<(usize, i64)>> {
+) -> StoreResult<Vec<(usize, i64, i64)>> {
     if group.is_empty() {
         return Ok(Vec::new());
     }
@@ -171,7 +171,7 @@ async fn insert(
            WITH ORDINALITY AS v(u, s, k, f, r, e, o, l, n) \
          ORDER BY v.n \
          ON CONFLICT (upstream, scope, key) {} \
-         RETURNING upstream, scope, key, epoch",
+         RETURNING upstream, scope, key, epoch, action",
         conflict.unwrap_or("DO NOTHING")
     ))
     .bind(col(|r| &r.id.upstream))
@@ -189,7 +189,7 @@ async fn insert(
     for row in rows {
         let id: (&str, &str, &str) = (row.try_get(0)?, row.try_get(1)?, row.try_get(2)?);
         if let Some(&i) = index.get(&id) {
-            owned.push((i, row.try_get(3)?));
+            owned.push((i, row.try_get(3)?, row.try_get(4)?));
         }
     }
     Ok(owned)

@@ -34,7 +34,10 @@ pub fn reserve(ctx: &Ctx, r: &Reservation) -> StoreResult<Reserved> {
     ];
     if !r.take_unknown {
         if stmt(&RESERVE_NEW)?.execute(args)? == 1 {
-            return Ok(Reserved::Owned { epoch: NEW_EPOCH });
+            return Ok(Reserved::Owned {
+                epoch: NEW_EPOCH,
+                action: Reserved::NEW_ACTION,
+            });
         }
         match record(ctx, &r.id)? {
             Some(found) if found.effective_state(ctx.now) != KeyState::Released => {
@@ -50,9 +53,11 @@ pub fn reserve(ctx: &Ctx, r: &Reservation) -> StoreResult<Reserved> {
         true => &*RESERVE_TAKING_UNKNOWN,
         false => &*RESERVE,
     };
-    let epoch: Option<i64> = stmt(sql)?.query_row(args, |row| row.get(0)).optional()?;
-    if let Some(epoch) = epoch {
-        return Ok(Reserved::Owned { epoch });
+    let owned: Option<(i64, i64)> = stmt(sql)?
+        .query_row(args, |row| Ok((row.get(0)?, row.get(1)?)))
+        .optional()?;
+    if let Some((epoch, action)) = owned {
+        return Ok(Reserved::Owned { epoch, action });
     }
     // The upsert's `WHERE` left the record untouched (no page written): read what stands.
     match record(ctx, &r.id)? {
@@ -77,7 +82,7 @@ fn insert_sql(conflict: &str) -> String {
 
 fn reserve_sql(take_unknown: &str) -> String {
     insert_sql(&format!(
-        "ON CONFLICT (upstream, scope, key) DO UPDATE SET {} WHERE {} RETURNING epoch",
+        "ON CONFLICT (upstream, scope, key) DO UPDATE SET {} WHERE {} RETURNING epoch, action",
         rules::RESERVE_SET,
         rules::reservable(take_unknown)
     ))
