@@ -6,7 +6,9 @@ use percent_encoding::percent_decode_str;
 #[derive(Debug, Clone, PartialEq)]
 enum Seg {
     Lit(String),
-    Capture(String),
+    /// `{id}`, or `{id}.json`: a capture and the literal suffix the segment ends with (Zendesk
+    /// paths end in `.json`; the entity is the id without it).
+    Capture(String, String),
     Tail(String),
 }
 
@@ -24,20 +26,21 @@ impl PathPattern {
         let raw: Vec<&str> = pattern[1..].split('/').collect();
         let mut segs = Vec::with_capacity(raw.len());
         for (i, s) in raw.iter().enumerate() {
-            if let Some(inner) = s.strip_prefix('{').and_then(|s| s.strip_suffix('}')) {
+            let capture = s.strip_prefix('{').and_then(|s| s.split_once('}'));
+            if let Some((inner, suffix)) = capture.filter(|(_, x)| !x.contains(['{', '}'])) {
                 if let Some(name) = inner.strip_prefix('*') {
-                    if i + 1 != raw.len() {
+                    if i + 1 != raw.len() || !suffix.is_empty() {
                         return Err(format!("path {pattern:?}: {{*{name}}} must be last"));
                     }
                     check_name(pattern, name)?;
                     segs.push(Seg::Tail(name.to_owned()));
                 } else {
                     check_name(pattern, inner)?;
-                    segs.push(Seg::Capture(inner.to_owned()));
+                    segs.push(Seg::Capture(inner.to_owned(), suffix.to_owned()));
                 }
             } else if s.contains('{') || s.contains('}') {
                 return Err(format!(
-                    "path {pattern:?}: a capture must be a whole segment, like /{{id}}"
+                    "path {pattern:?}: a capture must be a whole segment, like /{{id}} or /{{id}}.json"
                 ));
             } else {
                 segs.push(Seg::Lit((*s).to_owned()));
@@ -49,7 +52,7 @@ impl PathPattern {
     /// Names this pattern captures (for checking `{path.X}` templates at load).
     pub fn captures(&self) -> impl Iterator<Item = &str> {
         self.segs.iter().filter_map(|s| match s {
-            Seg::Capture(n) | Seg::Tail(n) => Some(n.as_str()),
+            Seg::Capture(n, _) | Seg::Tail(n) => Some(n.as_str()),
             Seg::Lit(_) => None,
         })
     }
@@ -90,12 +93,14 @@ impl PathPattern {
                     }
                     consumed += p.len() + 1;
                 }
-                Seg::Capture(name) => {
+                Seg::Capture(name, suffix) => {
                     let p = parts.next()?;
-                    if p.is_empty() {
+                    let cut = p.len().checked_sub(suffix.len())?;
+                    let value = p.get(..cut).filter(|v| !v.is_empty())?;
+                    if !same(&p[cut..], suffix) {
                         return None;
                     }
-                    params.push((name.clone(), decode(p)));
+                    params.push((name.clone(), decode(value)));
                     consumed += p.len() + 1;
                 }
             }
@@ -219,6 +224,16 @@ mod tests {
         assert!(PathPattern::parse("v1").is_err());
         assert!(PathPattern::parse("/{*a}/b").is_err());
         assert!(PathPattern::parse("/a{b}").is_err());
+        let json = PathPattern::parse("/api/v2/tickets/{ticket_id}.json").unwrap();
+        assert_eq!(
+            json.matches("/api/v2/tickets/42.json"),
+            Some(vec![("ticket_id".into(), "42".into())])
+        );
+        assert_eq!(json.matches("/api/v2/tickets/.json"), None);
+        assert_eq!(json.matches("/api/v2/tickets/42"), None);
+        assert!(json.matches_ignoring_case("/API/v2/tickets/42.JSON"));
+        assert!(PathPattern::parse("/{*a}.json").is_err());
+        assert!(PathPattern::parse("/{a}.{b}").is_err());
     }
 
     #[test]

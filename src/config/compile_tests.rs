@@ -279,3 +279,39 @@ fn serving_threads_default_to_the_cores_and_can_be_set() {
         assert!(e.contains("workers") || e.contains("1 to 1024"), "{e}");
     }
 }
+
+#[test]
+fn derive_lists_windows_and_stamps() {
+    let route = |extra: &str| {
+        with_route(&format!(
+            "name = \"r\"\nupstream = \"api\"\npath = \"/t\"\nentity = \"t:{{body.id}}\"\n{extra}"
+        ))
+    };
+    let cfg = compile_str(&route(
+        "key = { header = \"\", derive = [\"{header.x-run}:{fingerprint}\", \"{entity}:{fingerprint}\"], window = \"10m\" }\nstamp = \"body.ticket.external_id\"\nreconcile = { path = \"/t?external_id={stamp}\", answer = { ticket = \"{read.tickets[0]}\" } }",
+    ))
+    .unwrap();
+    let r = &cfg.routes[0];
+    assert_eq!(r.key.derive.len(), 2);
+    assert!(!intent_only(&r.key.derive[0]) && intent_only(&r.key.derive[1]));
+    assert_eq!(r.key.window, Some(Duration::from_secs(600)));
+    assert!(r.stamp.is_some() && r.needs_body);
+    assert!(r.reconcile.as_ref().is_some_and(|rc| rc.answer.is_some()));
+
+    let only_headers = route("key = { derive = \"{header.x-run}\", window = \"1m\" }");
+    assert!(first_error(&only_headers).contains("intent alone"));
+    assert!(first_error(&route("key = { derive = 7 }")).contains("list of templates"));
+    let stray = route("key = { derive = \"{stamp}\" }");
+    assert!(first_error(&stray).contains("cannot use {stamp}"));
+    let unstamped = route("reconcile = { path = \"/t?e={stamp}\" }");
+    assert!(first_error(&unstamped).contains("cannot use {stamp}"));
+    assert!(first_error(&route("stamp = \"body.a[*].b\"")).contains("not [*]"));
+    assert!(first_error(&route("stamp = \"header.x\"")).contains("a body field"));
+    let answer = route("reconcile = { path = \"/t\", answer = { a = \"{reads}\" } }");
+    assert!(first_error(&answer).contains("reconcile.answer"));
+    let native = format!(
+        "{}\nnative_idempotency_header = \"Idempotency-Key\"\n[[routes]]\nname = \"r\"\nupstream = \"api\"\npath = \"/t\"\nkey = {{ derive = \"{{fingerprint}}\", window = \"1m\" }}",
+        BASE
+    );
+    assert!(first_error(&native).contains("native_idempotency_header"));
+}

@@ -132,6 +132,17 @@ pub(super) fn route(
                     format!("route {name:?}: key.window applies to keys derived from the intent alone, and no key.derive template is (each reads a header)"),
                 );
             }
+            // The upstream would replay the earlier action's answer under the same key.
+            let native = upstreams
+                .get(&upstream)
+                .and_then(|u| u.get_ref().native_idempotency_header.as_ref())
+                .is_some_and(|h| !h.get_ref().is_empty());
+            if native {
+                cx.err(
+                    k.window.as_ref().map(|w| w.span()).unwrap_or(0..0),
+                    format!("route {name:?}: key.window on an upstream that dedupes by the key we send (native_idempotency_header): it would answer a new action with the earlier one's answer; the upstream's own key retention is the window"),
+                );
+            }
             window = Some(w);
         }
         required = k.required.unwrap_or(true);

@@ -85,7 +85,7 @@ impl Outgoing {
 /// Step 6: the call, timed, counted in flight, the key's lease renewed every third of it; a
 /// stamped route's body carries the stamp.
 pub(super) async fn step(ctx: &mut Ctx) -> Outcome {
-    if let Some(field) = &ctx.route.stamp {
+    if let Some(field) = ctx.route.stamp.as_ref().filter(|_| ctx.p.stamped) {
         let stamp = ctx.stamp();
         if let Err(e) = ctx.outgoing.stamp(field, stamp) {
             return Outcome::NotSent(e.message);

@@ -9,7 +9,7 @@ use crate::config::{Expected, Reconcile, Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::key;
 use crate::store::ScopedKey;
-use crate::template::RequestView;
+use crate::template::{RequestView, Source};
 use crate::upstream::Target;
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request};
@@ -49,6 +49,10 @@ pub struct Prepared {
     pub precheck_path: Option<String>,
     /// The reconcile read, when the route has one.
     pub reconcile: Option<ReconcileRead>,
+    /// The route's `stamp` goes into this request's body: the caller left the field empty. A
+    /// value the caller put there is theirs, and is forwarded as sent (with no reconcile read
+    /// by the stamp, which would not be in the object).
+    pub stamped: bool,
 }
 
 /// A request's reconcile read: the path, and the value each of the route's `expect` fields
@@ -228,7 +232,12 @@ pub fn prepare(
         ));
     }
     // A stamped body must take the stamp, or the key is refused before anything is reserved.
+    let mut stamped = false;
     if let Some(field) = &route.stamp {
+        let theirs = parsed
+            .as_ref()
+            .is_some_and(|b| field.values(b).iter().any(|v| !v.is_null()));
+        stamped = !theirs;
         let mut probe = parsed.clone().filter(|_| kind == BodyKind::Json);
         let fits = probe
             .as_mut()
@@ -344,8 +353,10 @@ pub fn prepare(
         Some(pc) => Some(side_read::eval_path(&pc.path, &view, "precheck", &key)?),
     };
     let reconcile = match &route.reconcile {
-        None => None,
-        Some(rc) => Some(reconcile_read(rc, &view, &key)?),
+        Some(rc) if stamped || !rc.path.uses(|s| *s == Source::Stamp) => {
+            Some(reconcile_read(rc, &view, &key)?)
+        }
+        _ => None,
     };
     let id = ScopedKey::new(
         upstream.name.clone(),
@@ -373,6 +384,7 @@ pub fn prepare(
         version,
         precheck_path,
         reconcile,
+        stamped,
     })
 }
 

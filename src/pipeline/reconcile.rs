@@ -161,7 +161,7 @@ async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
     };
     let started = Instant::now();
     // `{stamp}` is known once the key is ours: this action's stamp.
-    let path = match ctx.route.stamp.is_some() && read.path.contains(STAMP_MARK) {
+    let path = match ctx.p.stamped && read.path.contains(STAMP_MARK) {
         true => read.path.replace(STAMP_MARK, &ctx.stamp()),
         false => read.path.clone(),
     };
