@@ -352,9 +352,14 @@ pub fn prepare(
         None => None,
         Some(pc) => Some(side_read::eval_path(&pc.path, &view, "precheck", &key)?),
     };
+    // A read names one object: a batch of several (`{body.inputs[*].id}` with two ids) is
+    // not reconciled, as one object found says nothing of the others.
     let reconcile = match &route.reconcile {
         Some(rc) if stamped || !rc.path.uses(|s| *s == Source::Stamp) => {
-            Some(reconcile_read(rc, &view, &key)?)
+            match rc.path.eval(&view).map(|v| v.len()) {
+                Ok(n) if n > 1 => None,
+                _ => Some(reconcile_read(rc, &view, &key)?),
+            }
         }
         _ => None,
     };
