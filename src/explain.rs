@@ -114,9 +114,14 @@ pub fn explain(
         Ok(p) => p,
         Err(e) => return Ok(refused(out, &e)),
     };
-    let source = match p.key_source {
-        KeySource::Header => "from the client's header",
-        KeySource::Derived => "derived",
+    let window;
+    let source = match (p.key_source, p.window) {
+        (KeySource::Header, _) => "from the client's header",
+        (KeySource::Derived, None) => "derived",
+        (KeySource::Derived, Some(w)) => {
+            window = format!("derived from the intent alone: a retry for {w:?} after its answer");
+            window.as_str()
+        }
     };
     let _ = writeln!(w, "key:         {} ({source})", p.key);
     let creds: Vec<String> = crate::key::credential_names(&upstream.scope_headers)
