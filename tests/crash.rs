@@ -201,11 +201,26 @@ async fn killed_under_load_on_postgres_answers_after_commit_all_replay() {
 /// committed as lazily as an outcome is lost in the crash, and its retry forwarded (checked).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_crash_after_answers_loses_no_reservation() {
+    database_crash_after_answers(false).await;
+}
+
+/// The same on a server whose own configuration commits lazily (`synchronous_commit = off`,
+/// as a server, role, database or URL may say): the proxy's reserving sessions set it back
+/// on, so no reservation is lost (fails when they inherit the server's: checked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_crash_on_a_lazily_committing_server_loses_no_reservation() {
+    database_crash_after_answers(true).await;
+}
+
+async fn database_crash_after_answers(lazy_server: bool) {
     let Some(pg) = PgServer::start().await else {
         return;
     };
     if !pg.owned() {
         return; // a shared server (IDEMPROXY_TEST_PG_URL) is not ours to crash
+    }
+    if lazy_server {
+        pg.configure("synchronous_commit", "off").await;
     }
     let upstream = RecordingUpstream::start().await;
     let dir = TestDir::new();

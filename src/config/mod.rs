@@ -99,8 +99,10 @@ pub struct StoreConfig {
     /// `encryption_key` and `encryption_keys_previous`: stored answers are sealed with the
     /// first and opened with any (see [`crate::store::seal`]). `None`: stored in clear.
     pub encryption: Option<Arc<crate::store::seal::Cipher>>,
-    /// `answer_before_commit` (default on): a first write's answer goes to its caller before
-    /// its completion commits (see `pipeline::store`); off, after it.
+    /// `answer_before_commit` (default off): on, a first write's answer goes to its caller
+    /// before its completion commits (see `pipeline::store`), and a crash in between leaves
+    /// an answer the caller saw unknown to its retries; off, after the completion is durable,
+    /// so every answer a caller saw is replayed.
     pub answer_before_commit: bool,
 }
 

@@ -66,7 +66,7 @@ pub(super) fn store(cx: &mut Ctx, raw: &RawStore) -> StoreConfig {
         lease,
         scope_secret,
         encryption,
-        answer_before_commit: raw.answer_before_commit.unwrap_or(true),
+        answer_before_commit: raw.answer_before_commit.unwrap_or(false),
     }
 }
 

@@ -70,6 +70,21 @@ impl PgServer {
         db.close().await;
     }
 
+    /// Sets a server-wide parameter (`ALTER SYSTEM`, written to `postgresql.auto.conf`) and
+    /// reloads the configuration, as an operator's `postgresql.conf` would.
+    pub async fn configure(&self, name: &str, value: &str) {
+        let mut db = sqlx::PgConnection::connect(&self.url).await.unwrap();
+        sqlx::query(&format!("ALTER SYSTEM SET {name} = '{value}'"))
+            .execute(&mut db)
+            .await
+            .unwrap();
+        sqlx::query("SELECT pg_reload_conf()")
+            .execute(&mut db)
+            .await
+            .unwrap();
+        db.close().await.unwrap();
+    }
+
     /// A `[store]` table for a proxy on this server (PostgreSQL needs a scope secret).
     pub fn store_toml(&self) -> String {
         format!(

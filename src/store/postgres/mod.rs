@@ -166,7 +166,11 @@ impl PgStore {
             .test_before_acquire(false)
             .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
             .acquire_timeout(Duration::from_secs(3))
-            .connect_with(opts)
+            // Reservations and completions are durable before anyone acts on them, whatever
+            // the server, role, database or URL defaults to: a `synchronous_commit = off`
+            // there would make a reservation lazy, and a database crash after the forward
+            // would lose it (the retry forwarded again). Set last, it wins over the URL's.
+            .connect_with(opts.options([("synchronous_commit", "on")]))
             .await?;
         sqlx::migrate!("migrations/postgres").run(&pool).await?;
         let hub = Arc::new(Hub::default());
