@@ -855,3 +855,65 @@ async fn postgres_store_handles_concurrent_writes() {
     };
     concurrent_suite(store::open(&pg.url, LONG, false, None).await.unwrap()).await;
 }
+
+/// An outcome and its entity effects are one: when an effect's statement fails (here a trigger
+/// makes it), the outcome's row is rolled back with it, so the key is not left completed
+/// without its version while its caller is told the answer was not stored. The batch's other
+/// jobs are not affected (fails when the effects run outside a savepoint of their own: checked).
+#[tokio::test]
+async fn sqlite_applies_an_outcome_with_its_effects_whole_or_not_at_all() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("w.db");
+    let s = store::open(&format!("sqlite://{}", db.display()), LONG, false, None)
+        .await
+        .unwrap();
+    let e = owned(
+        s.reserve(reservation("fx", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    let other = owned(
+        s.reserve(reservation("ok", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    let sabotage = rusqlite::Connection::open(&db).unwrap();
+    sabotage
+        .execute_batch(
+            "CREATE TRIGGER no_versions BEFORE INSERT ON idem_entities \
+             BEGIN SELECT RAISE(ABORT, 'injected: the entity table refuses writes'); END;",
+        )
+        .unwrap();
+    let effects = store::Effects {
+        entities: vec!["customer:1".into()],
+        version: Some(5),
+        ..Default::default()
+    };
+    let with_effects = Finish::Completed {
+        response: answer(1).into(),
+        expires_at: store::after_ms(LONG),
+        effects,
+    };
+    let plain = Finish::Completed {
+        response: answer(2).into(),
+        expires_at: store::after_ms(LONG),
+        effects: Default::default(),
+    };
+    let (fx, ok) = (id("fx"), id("ok"));
+    let (failed, fine) = tokio::join!(s.finish(&fx, e, with_effects), s.finish(&ok, other, plain));
+    assert!(failed.is_err(), "the effect failed: {failed:?}");
+    assert!(fine.unwrap(), "the other outcome in the batch stands");
+    let rec = s.get(&id("fx")).await.unwrap().unwrap();
+    assert_eq!(
+        rec.state,
+        KeyState::InFlight,
+        "not completed without its version"
+    );
+    let states = s.entity_states(&["customer:1".to_string()]).await.unwrap();
+    assert_eq!(states.first().and_then(|e| e.version), None);
+    assert_eq!(
+        s.get(&id("ok")).await.unwrap().unwrap().state,
+        KeyState::Completed
+    );
+    s.close().await;
+}

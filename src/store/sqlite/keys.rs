@@ -102,8 +102,31 @@ fn record(ctx: &Ctx, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
 }
 
 /// Stores the outcome if `epoch` still owns the key (`false`: fenced off). Effects (versions,
-/// claims) follow for a stored 2xx answer.
+/// claims) follow for a stored 2xx answer, applied whole with the outcome or not at all: the
+/// batch's other jobs share its transaction, so an outcome with effects runs in a savepoint of
+/// its own, rolled back when a statement fails — a key is never completed without its
+/// version or claim while its caller is told it will read as unknown.
 pub fn finish(ctx: &Ctx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreResult<bool> {
+    if c.effects.is_empty() {
+        return finish_row(ctx, id, epoch, c);
+    }
+    ctx.conn.prepare_cached("SAVEPOINT finish")?.execute([])?;
+    let done = finish_row(ctx, id, epoch, c).and_then(|owned| {
+        if owned {
+            apply_effects(ctx.conn, id, &c.effects, ctx.now)?;
+        }
+        Ok(owned)
+    });
+    if done.is_err() {
+        // Nothing of this job stands; the batch's other jobs go on.
+        ctx.conn.prepare_cached("ROLLBACK TO finish")?.execute([])?;
+    }
+    ctx.conn.prepare_cached("RELEASE finish")?.execute([])?;
+    done
+}
+
+/// The outcome's own row, fenced by `epoch`.
+fn finish_row(ctx: &Ctx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreResult<bool> {
     let changed = ctx
         .conn
         .prepare_cached(
@@ -124,11 +147,7 @@ pub fn finish(ctx: &Ctx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> Store
             id.key,
             epoch,
         ])?;
-    let owned = changed == 1;
-    if owned && !c.effects.is_empty() {
-        apply_effects(ctx.conn, id, &c.effects, ctx.now)?;
-    }
-    Ok(owned)
+    Ok(changed == 1)
 }
 
 pub fn renew(ctx: &Ctx, id: &ScopedKey, epoch: i64, until: i64) -> StoreResult<bool> {
