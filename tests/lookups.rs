@@ -58,6 +58,7 @@ async fn concurrent_lookups_of_one_key_on_postgres_all_find_it() {
         owner: "o".into(),
         lease: Duration::from_secs(60),
         take_unknown: false,
+        call_timeout: std::time::Duration::from_secs(30),
     };
     let Reserved::Owned { epoch, .. } = writer.reserve(reservation).await.expect("reserve") else {
         panic!("a new key is ours");

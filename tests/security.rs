@@ -263,6 +263,7 @@ async fn credential_scopes_are_keyed_and_an_upgrade_keeps_old_keys() {
                 owner: "first-release".into(),
                 lease: std::time::Duration::from_secs(30),
                 take_unknown: false,
+                call_timeout: std::time::Duration::from_secs(30),
             })
             .await
             .expect("reserve");

@@ -24,6 +24,7 @@ fn reservation(key: &str, fp: &str, lease: Duration, take_unknown: bool) -> Rese
         owner: "test-owner".into(),
         lease,
         take_unknown,
+        call_timeout: std::time::Duration::from_secs(30),
     }
 }
 
@@ -231,6 +232,11 @@ async fn suite(s: Arc<dyn Store>) {
     );
     let rec = s.get(&id("k4")).await.unwrap().unwrap();
     assert_eq!(rec.effective_state(store::now_ms() + 1), KeyState::Unknown);
+    assert_eq!(
+        rec.call_ms,
+        Some(30_000),
+        "the timeout its call was sent under, for a retry to wait by"
+    );
     let unknown = s
         .list_keys(&KeyFilter {
             state: Some(KeyState::Unknown),

@@ -35,6 +35,7 @@ async fn write(s: &Arc<dyn Store>, scope: &str, key: &str, entities: &[&str], ve
             owner: "owner".into(),
             lease: LONG,
             take_unknown: false,
+            call_timeout: std::time::Duration::from_secs(30),
         })
         .await
         .expect("reserve");

@@ -80,6 +80,7 @@ async fn a_store_from_before_the_rebuild_keeps_its_answers() {
                 owner: "retry".into(),
                 lease: Duration::from_secs(60),
                 take_unknown: false,
+                call_timeout: std::time::Duration::from_secs(30),
             })
             .await
             .unwrap();

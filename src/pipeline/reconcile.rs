@@ -78,8 +78,10 @@ enum Due {
 /// An unknown record waits `after` from its last change (the forward's end, or the last
 /// reconcile that could not tell). An abandoned in-flight record is waited out by the retry
 /// itself, until `after` past the later of its lease's end and the latest its owner's call
-/// could still be running (reserved at `updated_at`, cut off at the upstream's `timeout`): an
-/// owner cut off from the store, not dead, may still be sending the write.
+/// could still be running (reserved at `updated_at`, cut off at the timeout it was sent under,
+/// stored with it; `timeout`, this replica's, only for records written before that was kept):
+/// an owner cut off from the store, not dead, may still be sending the write, and a reload or
+/// another replica's configuration may have made this replica's timeout shorter.
 fn due(rec: &KeyRecord, after: Duration, timeout: Duration, now: i64) -> Due {
     let after = after.as_millis() as i64;
     let left = |from: i64| {
@@ -88,7 +90,8 @@ fn due(rec: &KeyRecord, after: Duration, timeout: Duration, now: i64) -> Due {
     match rec.state {
         KeyState::Unknown if !left(rec.updated_at).is_zero() => Due::TooSoon(left(rec.updated_at)),
         KeyState::InFlight => {
-            let call_end = rec.updated_at.saturating_add(timeout.as_millis() as i64);
+            let ran_under = rec.call_ms.unwrap_or(timeout.as_millis() as i64);
+            let call_end = rec.updated_at.saturating_add(ran_under);
             Due::Wait(left(rec.lease_until.max(call_end)))
         }
         _ => Due::Wait(Duration::ZERO),
@@ -251,6 +254,7 @@ mod tests {
             created_at: 0,
             updated_at,
             expires_at: None,
+            call_ms: None,
         }
     }
 
@@ -278,6 +282,13 @@ mod tests {
         assert_eq!(
             due(&abandoned, after, slow, 6_000),
             Due::Wait(Duration::from_millis(6_000))
+        );
+        // The call was sent under a 20 s timeout, this replica's is 1 s: wait by the 20 s.
+        let mut longer = record(KeyState::InFlight, 0, 5_500);
+        longer.call_ms = Some(20_000);
+        assert_eq!(
+            due(&longer, after, t, 6_000),
+            Due::Wait(Duration::from_millis(16_000))
         );
         // `after = 0`: every retry reads.
         assert_eq!(

@@ -18,6 +18,7 @@ impl Ctx {
             owner: self.state.owner.clone(),
             lease: self.state.config.store.lease,
             take_unknown,
+            call_timeout: self.upstream.timeout,
         }
     }
 }

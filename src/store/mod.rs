@@ -91,6 +91,9 @@ pub struct KeyRecord {
     pub created_at: i64,
     pub updated_at: i64,
     pub expires_at: Option<i64>,
+    /// The upstream timeout the reservation's call was sent under, in ms (`None`: a record
+    /// written before it was kept).
+    pub call_ms: Option<i64>,
 }
 
 impl KeyRecord {
@@ -131,6 +134,9 @@ pub struct Reservation {
     /// Take over `unknown` (and abandoned in-flight) records: only when the upstream dedupes
     /// by the key we send (`native_idempotency_header`).
     pub take_unknown: bool,
+    /// How long the call may run (the upstream's `timeout`): stored with the reservation, so a
+    /// retry that finds it abandoned waits by the deadline it was sent under.
+    pub call_timeout: Duration,
 }
 
 #[derive(Debug)]

@@ -75,6 +75,7 @@ pub fn key_record(row: &impl Cols, cipher: Option<&Cipher>) -> StoreResult<KeyRe
         created_at: row.int("created_at")?,
         updated_at: row.int("updated_at")?,
         expires_at: row.opt_int("expires_at")?,
+        call_ms: row.opt_int("call_ms")?,
     })
 }
 
@@ -121,9 +122,9 @@ pub fn audit_row(row: &impl Cols) -> StoreResult<AuditRow> {
 /// The columns selected for [`key_record`] (PostgreSQL casts them to SQLite's types).
 pub const KEY_COLUMNS_SQLITE: &str =
     "upstream, scope, key, fingerprint, route, entities, state, owner, lease_until, \
-     epoch, attempts, status, headers, body, enc_key, created_at, updated_at, expires_at";
+     epoch, attempts, status, headers, body, enc_key, created_at, updated_at, expires_at, call_ms";
 pub const KEY_COLUMNS_PG: &str = "upstream, scope, key, fingerprint, route, entities::text AS entities, state, owner, \
-     lease_until, epoch, attempts, status::bigint AS status, headers, body, enc_key, created_at, updated_at, expires_at";
+     lease_until, epoch, attempts, status::bigint AS status, headers, body, enc_key, created_at, updated_at, expires_at, call_ms";
 pub const AUDIT_COLUMNS_SQLITE: &str =
     "at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
      total_ms, lock_wait_ms, upstream_ms, expires_at, requests";

@@ -18,7 +18,7 @@ pub const RESERVE_SET: &str = "fingerprint = excluded.fingerprint, route = exclu
      lease_until = excluded.lease_until, epoch = idem_keys.epoch + 1, \
      action = CASE WHEN idem_keys.state IN ('in_flight', 'unknown') THEN idem_keys.action \
        ELSE idem_keys.epoch + 1 END, \
-     attempts = idem_keys.attempts + 1, updated_at = excluded.updated_at, \
+     attempts = idem_keys.attempts + 1, updated_at = excluded.updated_at, call_ms = excluded.call_ms, \
      status = NULL, headers = NULL, body = NULL, enc_key = NULL, expires_at = NULL";
 
 /// When a reservation may take a record that stands: released, or completed past its

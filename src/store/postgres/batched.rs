@@ -162,13 +162,17 @@ async fn insert(
         .map(|&i| codec::encode_entities(&rs[i].entities))
         .collect();
     let leases: Vec<i64> = group.iter().map(|&i| lease_ms(rs[i].lease)).collect();
+    let calls: Vec<i64> = group
+        .iter()
+        .map(|&i| lease_ms(rs[i].call_timeout))
+        .collect();
     let rows = sqlx::query(&format!(
         "INSERT INTO idem_keys (upstream, scope, key, fingerprint, route, entities, state, owner, \
-           lease_until, epoch, attempts, created_at, updated_at) \
-         SELECT v.u, v.s, v.k, v.f, v.r, v.e::jsonb, 'in_flight', v.o, t.now_ms + v.l, 1, 1, t.now_ms, t.now_ms \
+           lease_until, epoch, attempts, created_at, updated_at, call_ms) \
+         SELECT v.u, v.s, v.k, v.f, v.r, v.e::jsonb, 'in_flight', v.o, t.now_ms + v.l, 1, 1, t.now_ms, t.now_ms, v.c \
          FROM (SELECT {NOW} AS now_ms) t, \
-           UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[]) \
-           WITH ORDINALITY AS v(u, s, k, f, r, e, o, l, n) \
+           UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], $8::int8[], $9::int8[]) \
+           WITH ORDINALITY AS v(u, s, k, f, r, e, o, l, c, n) \
          ORDER BY v.n \
          ON CONFLICT (upstream, scope, key) {} \
          RETURNING upstream, scope, key, epoch, action",
@@ -182,6 +186,7 @@ async fn insert(
     .bind(entities)
     .bind(col(|r| &r.owner))
     .bind(leases)
+    .bind(calls)
     .fetch_all(&mut *conn)
     .await?;
     let index = by_id(group.iter().map(|&i| (i, &rs[i].id)));

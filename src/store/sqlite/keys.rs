@@ -31,6 +31,7 @@ pub fn reserve(ctx: &Ctx, r: &Reservation) -> StoreResult<Reserved> {
         r.owner,
         lease_until,
         ctx.now,
+        r.call_timeout.as_millis() as i64,
     ];
     if !r.take_unknown {
         if stmt(&RESERVE_NEW)?.execute(args)? == 1 {
@@ -75,8 +76,8 @@ const NEW_EPOCH: i64 = 1;
 fn insert_sql(conflict: &str) -> String {
     format!(
         "INSERT INTO idem_keys (upstream, scope, key, fingerprint, route, entities, state, owner, \
-         lease_until, epoch, attempts, created_at, updated_at) \
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'in_flight', ?7, ?8, {NEW_EPOCH}, 1, ?9, ?9) {conflict}"
+         lease_until, epoch, attempts, created_at, updated_at, call_ms) \
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'in_flight', ?7, ?8, {NEW_EPOCH}, 1, ?9, ?9, ?10) {conflict}"
     )
 }
 

@@ -143,6 +143,7 @@ mod tests {
             owner: "me".into(),
             lease: Duration::from_secs(30),
             take_unknown: false,
+            call_timeout: Duration::from_secs(30),
         }
     }
 
