@@ -923,3 +923,37 @@ async fn sqlite_applies_an_outcome_with_its_effects_whole_or_not_at_all() {
     );
     s.close().await;
 }
+
+/// The syncer makes durable the WAL SQLite writes: with the configured path a symlink and a
+/// stale `-wal` beside the link, it syncs the one beside the link's target (SQLite's), never
+/// the stale one (fails when the syncer opens `<configured path>-wal`: checked).
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn sqlite_syncs_the_wal_beside_a_symlinked_database_target() {
+    let dir = tempfile::tempdir().unwrap();
+    let real = dir.path().join("real");
+    std::fs::create_dir(&real).unwrap();
+    let link = dir.path().join("link.db");
+    std::os::unix::fs::symlink(real.join("store.db"), &link).unwrap();
+    let stale = dir.path().join("link.db-wal");
+    std::fs::write(&stale, b"stale").unwrap();
+    let s = store::open(&format!("sqlite://{}", link.display()), LONG, false, None)
+        .await
+        .unwrap();
+    owned(
+        s.reserve(reservation("k", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    let open: Vec<std::path::PathBuf> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .collect();
+    assert!(
+        !open.contains(&stale),
+        "the stale WAL beside the link is open: {open:?}"
+    );
+    let wal = real.join("store.db-wal");
+    assert!(open.contains(&wal), "SQLite's WAL is not open: {open:?}");
+    s.close().await;
+}

@@ -157,6 +157,14 @@ fn pipelined_sync(
     db: &std::path::Path,
 ) -> StoreResult<Option<durable::Syncer>> {
     meta::probe(conn, now_ms())?;
+    // The WAL SQLite writes is beside the database as SQLite names it — a symlink resolved to
+    // its target — not beside the configured path, where a stale `-wal` may lie: syncing that
+    // would make nothing durable.
+    let named = conn
+        .path()
+        .filter(|p| !p.is_empty())
+        .map(std::path::Path::new);
+    let db = named.unwrap_or(db);
     match durable::Syncer::start(db) {
         Ok(syncer) => {
             conn.pragma_update(None, "synchronous", "NORMAL")?;
