@@ -50,7 +50,7 @@ fn said(e: &ProxyError) -> String {
 pub fn advice(kind: ErrorKind) -> &'static str {
     use ErrorKind::*;
     match kind {
-        OutcomeUnknown => "The write may or may not have happened. Sending the same request again, unchanged, is safe: it is never applied twice and returns the result once it is known; if this persists, a person must check the record.",
+        OutcomeUnknown => "The write may or may not have happened. Sending the same request again, unchanged, is safe: it is never applied twice, and returns the result once it is known; while it stays unknown, a person must check the record and settle it.",
         UpstreamTimeout => "The API did not answer in time; a write may have happened. Sending the same request again, unchanged, is safe: it is never applied twice and returns the result once known.",
         UpstreamUnreachable => "The API could not be reached; nothing was applied. Sending the same request again later is safe.",
         RequestInProgress => "The same request is still running. Wait a few seconds and send it again, unchanged, to get its result.",
