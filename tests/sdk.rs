@@ -443,14 +443,14 @@ async fn hubspot_node_client_through_the_shipped_config() {
     // A proxy error is the client's ApiException, in HubSpot's shape, with the proxy's type.
     let before = api.count();
     let out = js("errors").await;
-    let e = &out["key_missing"];
+    let e = &out["entity_missing"];
     assert_eq!(e["code"], 400, "{out}");
-    assert_eq!(e["idemproxy"], "key_missing", "{out}");
+    assert_eq!(e["idemproxy"], "entity_missing", "{out}");
     let body: Value = match &e["body"] {
         Value::String(s) => serde_json::from_str(s).unwrap_or(Value::Null),
         v => v.clone(),
     };
     assert_eq!(body["category"], "VALIDATION_ERROR", "{out}");
-    assert_eq!(body["subCategory"], "idemproxy.key_missing", "{out}");
+    assert_eq!(body["subCategory"], "idemproxy.entity_missing", "{out}");
     assert_eq!(api.count(), before, "nothing forwarded");
 }

@@ -78,9 +78,9 @@ async function main() {
       return { created: info(created), updated: info(updated), retried: info(retried) };
     }
     case 'errors': {
-      // The shipped route derives its key from X-Workflow-Id: without it, 400 key_missing.
-      const keyMissing = await thrown(() => c.crm.contacts.basicApi.update('1', { properties: { firstname: 'x' } }));
-      return { key_missing: keyMissing };
+      // The shipped route locks a created contact by its email: without one, 400 entity_missing.
+      const entityMissing = await thrown(() => c.crm.contacts.basicApi.create({ properties: { firstname: 'x' } }));
+      return { entity_missing: entityMissing };
     }
     default:
       throw new Error(`unknown scenario ${scenario}`);
