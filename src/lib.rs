@@ -50,6 +50,8 @@
 //!   lines, no terminal escapes from request data).
 //! - [`cli`]: the `idemproxy` commands (`serve`, `check`, `explain`, `keys`, `migrate`).
 //! - [`explain`]: the dry run behind `idemproxy explain`.
+//! - [`fault`]: named fault points for the deterministic crash tests (the `faults` feature
+//!   only; nothing without it).
 
 pub mod accept;
 pub mod admin;
@@ -60,6 +62,7 @@ pub mod config;
 pub mod error;
 pub mod error_format;
 pub mod explain;
+pub mod fault;
 pub mod key;
 pub mod locks;
 pub mod logging;

@@ -128,6 +128,7 @@ impl Server {
         let main = bind(config.server.listen).await?;
         let main_addr = main.local_addr()?;
         tracing::info!(addr = %main_addr, tls = tls.is_some(), "listening on main listener");
+        crate::fault::serving();
         let limits = crate::accept::Limits {
             total: config.server.max_connections,
             per_ip: config.server.max_connections_per_ip,

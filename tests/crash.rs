@@ -15,7 +15,8 @@ mod common;
 use common::pg::PgServer;
 use common::*;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use common::retries::*;
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use tokio::sync::Notify;
 
@@ -23,100 +24,6 @@ use tokio::sync::Notify;
 const CALLERS: usize = 16;
 /// Answers received before the kill.
 const ANSWERS_BEFORE_KILL: usize = 200;
-
-fn body(key: &str) -> String {
-    format!(r#"{{"customer":"cus_1","amount":100,"ref":"{key}"}}"#)
-}
-
-fn headers(key: &str) -> [(&str, &str); 2] {
-    [
-        ("idempotency-key", key),
-        ("content-type", "application/json"),
-    ]
-}
-
-/// One caller's requests: (key, the answer if one came before the kill).
-type Sent = Vec<(String, Option<Resp>)>;
-
-/// Sends first writes until the proxy dies; counts answers in `answered`.
-async fn caller(url: String, n: usize, answered: Arc<AtomicUsize>, enough: Arc<Notify>) -> Sent {
-    let mut sent = Vec::new();
-    for i in 0.. {
-        let key = format!("crash-{n}-{i}");
-        match try_request("POST", &url, &headers(&key), body(&key)).await {
-            Ok(resp) => {
-                resp.assert_status(200);
-                sent.push((key, Some(resp)));
-                if answered.fetch_add(1, Ordering::SeqCst) + 1 == ANSWERS_BEFORE_KILL {
-                    enough.notify_one();
-                }
-            }
-            Err(_) => {
-                sent.push((key, None));
-                return sent;
-            }
-        }
-    }
-    sent
-}
-
-/// What the retries of every request sent came to.
-struct Retried {
-    replayed: usize,
-    unknown: usize,
-    /// Never reserved before the crash: forwarded by the retry, once.
-    fresh: usize,
-    /// Answered before the crash, and `unknown` on retry.
-    answered_lost: usize,
-}
-
-/// Retries every request of `sent` through `proxy`, one after another. A key reaches the
-/// upstream at most once; an answered key replays its very answer or reads `409
-/// outcome_unknown`; one never answered replays, reads unknown, or is forwarded for the first
-/// time.
-async fn retry_every(proxy: &ProxyProcess, upstream: &RecordingUpstream, sent: &Sent) -> Retried {
-    let url = proxy.url("/api/v1/charges");
-    let mut r = Retried {
-        replayed: 0,
-        unknown: 0,
-        fresh: 0,
-        answered_lost: 0,
-    };
-    for (key, first) in sent {
-        let retry = request("POST", &url, &headers(key), body(key)).await;
-        let posts = upstream
-            .requests()
-            .iter()
-            .filter(|r| r.body == body(key).as_bytes())
-            .count();
-        assert!(posts <= 1, "{key} reached the upstream {posts} times");
-        match (retry.status, first) {
-            (200, Some(first)) => {
-                assert_eq!(
-                    retry.replayed(),
-                    Some(true),
-                    "{key}: answered, then forwarded"
-                );
-                assert_eq!(retry.body, first.body, "{key}: another answer replayed");
-                r.replayed += 1;
-            }
-            (200, None) if retry.replayed() == Some(true) => r.replayed += 1,
-            (200, None) => {
-                assert_eq!(posts, 1, "{key}");
-                r.fresh += 1;
-            }
-            // Reserved before the kill, sent or not: the proxy cannot tell, and never guesses.
-            (409, first) => {
-                assert_eq!(retry.error_type(), Some("outcome_unknown"), "{key}");
-                r.unknown += 1;
-                // Answered, and its completion lost with the process.
-                r.answered_lost += usize::from(first.is_some());
-            }
-            (status, _) => panic!("{key}: retry answered {status}: {}", retry.text()),
-        }
-    }
-    r
-}
 
 async fn killed_under_load(store: &str, answer_before_commit: bool) {
     let upstream = RecordingUpstream::start().await;
@@ -132,7 +39,10 @@ async fn killed_under_load(store: &str, answer_before_commit: bool) {
     let answered = Arc::new(AtomicUsize::new(0));
     let enough = Arc::new(Notify::new());
     let callers: Vec<_> = (0..CALLERS)
-        .map(|n| tokio::spawn(caller(url.clone(), n, answered.clone(), enough.clone())))
+        .map(|n| {
+            let until = (answered.clone(), enough.clone(), ANSWERS_BEFORE_KILL);
+            tokio::spawn(caller(url.clone(), format!("crash-{n}"), until))
+        })
         .collect();
     enough.notified().await;
     process.kill().await;

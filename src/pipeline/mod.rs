@@ -155,6 +155,7 @@ async fn reserve_forward_store(mut ctx: Ctx, reply: Reply) {
         }
     }
     let called = forward::step(&mut ctx).await;
+    crate::fault::point(crate::fault::Point::Answered);
     store::step(ctx, called, reply).await;
 }
 

@@ -65,6 +65,7 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<bool> {
     let reservation = ctx.reservation(ctx.take_unknown);
     match ctx.state.store.reserve(reservation).await {
         Ok(Reserved::Owned { epoch, action }) => {
+            crate::fault::point(crate::fault::Point::Reserved);
             ctx.epoch = epoch;
             ctx.action = action;
             Ok(true)

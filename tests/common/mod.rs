@@ -23,6 +23,7 @@ pub mod pg;
 pub mod process;
 pub mod proxy;
 mod raw_upstream;
+pub mod retries;
 pub mod tls;
 pub mod upstream;
 mod upstream_server;

@@ -99,6 +99,17 @@ impl ProxyProcess {
 
     /// Same as [`spawn`](Self::spawn) with extra environment variables.
     pub async fn spawn_with_env(config_path: &Path, env: &[(&str, &str)]) -> ProxyProcess {
+        let bin = Path::new(env!("CARGO_BIN_EXE_idemproxy"));
+        Self::spawn_binary(bin, config_path, env).await
+    }
+
+    /// Same as [`spawn_with_env`](Self::spawn_with_env), running the binary at `bin` (the build
+    /// with fault points, see `tests/fault_points.rs`).
+    pub async fn spawn_binary(
+        bin: &Path,
+        config_path: &Path,
+        env: &[(&str, &str)],
+    ) -> ProxyProcess {
         let dir = config_path
             .parent()
             .expect("config path has a parent directory");
@@ -107,7 +118,7 @@ impl ProxyProcess {
         let stderr = std::fs::File::create(&stderr_path)
             .unwrap_or_else(|e| panic!("create {}: {e}", stderr_path.display()));
         let config_text = std::fs::read_to_string(config_path).unwrap_or_default();
-        let mut command = Command::new(env!("CARGO_BIN_EXE_idemproxy"));
+        let mut command = Command::new(bin);
         command
             .arg("serve")
             .arg("--config")
@@ -126,7 +137,7 @@ impl ProxyProcess {
         }
         let child = command
             .spawn()
-            .unwrap_or_else(|e| panic!("spawn {}: {e}", env!("CARGO_BIN_EXE_idemproxy")));
+            .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
         let mut process = ProxyProcess {
             child,
             main_addr: SocketAddr::from(([0, 0, 0, 0], 0)),

@@ -101,6 +101,9 @@ async fn rounds(
         for (i, epoch, action) in insert(conn, rs, fresh.clone(), None).await? {
             out[i] = Some(Reserved::Owned { epoch, action });
         }
+        if rs.len() > 1 {
+            crate::fault::point(crate::fault::Point::PgBatchMid);
+        }
         let stood: Vec<usize> = fresh.into_iter().filter(|&i| out[i].is_none()).collect();
         let ids = stood.iter().map(|&i| rs[i].id.clone()).collect();
         let now = crate::store::now_ms();

@@ -183,7 +183,10 @@ fn sync(wal: &File, poisoned: &AtomicBool) -> Option<String> {
     if poisoned.load(Ordering::Acquire) {
         return Some(POISONED.to_owned());
     }
-    wal.sync_data().err().map(|e| {
+    crate::fault::point(crate::fault::Point::BeforeSync);
+    let synced = wal.sync_data();
+    crate::fault::point(crate::fault::Point::AfterSync);
+    synced.err().map(|e| {
         tracing::error!(error = %e, "SQLite WAL fsync failed: no write is acknowledged until a restart");
         poisoned.store(true, Ordering::Release);
         format!("fsync of the write-ahead log failed: {e}")

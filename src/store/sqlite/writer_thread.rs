@@ -198,6 +198,9 @@ fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) -> Ran {
             Heard::Synced => done.push(job(ctx)),
             Heard::Committed => committed.push(job(ctx)),
         }
+        if done.len() + committed.len() == 1 && jobs.len() > 0 {
+            crate::fault::point(crate::fault::Point::BatchMid);
+        }
         if conn.is_autocommit() {
             // SQLite rolled the whole transaction back (a full disk, an I/O error): what ran
             // is gone and nothing more may run outside it. The jobs left are dropped unrun.
