@@ -25,6 +25,9 @@ pub enum Point {
     BeforeSync,
     /// SQLite's WAL is synced; nobody has heard of it yet.
     AfterSync,
+    /// Not a kill: the syncer reports the WAL synced without syncing it — the regression the
+    /// power-loss test must catch (`tests/power_loss.rs`).
+    SkipSync,
 }
 
 impl Point {
@@ -36,6 +39,7 @@ impl Point {
             Point::PgBatchMid => "pg-batch-mid",
             Point::BeforeSync => "before-sync",
             Point::AfterSync => "after-sync",
+            Point::SkipSync => "skip-sync",
         }
     }
 }
@@ -44,6 +48,14 @@ impl Point {
 #[cfg(not(feature = "faults"))]
 #[inline(always)]
 pub fn point(_: Point) {}
+
+/// Whether this point is armed (every hit, once serving): for faults that change what the
+/// process does instead of killing it. Always `false` without the `faults` feature.
+#[cfg(not(feature = "faults"))]
+#[inline(always)]
+pub fn armed(_: Point) -> bool {
+    false
+}
 
 /// Points fire only once the listeners are up: the writes of a start (migrations, the probe,
 /// crash recovery) pass the same places, and a test means the requests' moments.
@@ -60,26 +72,34 @@ pub fn serving() {
     SERVING.store(true, std::sync::atomic::Ordering::SeqCst);
 }
 
-/// Kills the process here when this point is armed.
+/// `IDEMPROXY_FAULT`, read once: the armed point's name and the hit it fires at.
 #[cfg(feature = "faults")]
-pub fn point(p: Point) {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::OnceLock;
-    static ARMED: OnceLock<Option<(String, u64)>> = OnceLock::new();
-    static HITS: AtomicU64 = AtomicU64::new(0);
-    let armed = ARMED.get_or_init(|| {
+fn spec() -> Option<&'static (String, u64)> {
+    static SPEC: std::sync::OnceLock<Option<(String, u64)>> = std::sync::OnceLock::new();
+    SPEC.get_or_init(|| {
         let spec = std::env::var("IDEMPROXY_FAULT").ok()?;
         let (name, nth) = match spec.split_once(':') {
             Some((name, n)) => (name.to_owned(), n.parse().unwrap_or(1)),
             None => (spec, 1),
         };
         Some((name, nth))
-    });
-    let Some((name, nth)) = armed else { return };
-    if !SERVING.load(Ordering::SeqCst) {
-        return;
-    }
-    if name != p.name() || HITS.fetch_add(1, Ordering::SeqCst) + 1 != *nth {
+    })
+    .as_ref()
+}
+
+/// Whether this point is armed (every hit, once serving).
+#[cfg(feature = "faults")]
+pub fn armed(p: Point) -> bool {
+    SERVING.load(std::sync::atomic::Ordering::SeqCst) && spec().is_some_and(|(n, _)| n == p.name())
+}
+
+/// Kills the process here when this point is armed.
+#[cfg(feature = "faults")]
+pub fn point(p: Point) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static HITS: AtomicU64 = AtomicU64::new(0);
+    let Some((_, nth)) = spec() else { return };
+    if !armed(p) || HITS.fetch_add(1, Ordering::SeqCst) + 1 != *nth {
         return;
     }
     eprintln!("idemproxy: fault point {} reached: SIGKILL", p.name());

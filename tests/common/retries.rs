@@ -60,6 +60,30 @@ pub struct Retried {
     pub answered_lost: usize,
 }
 
+/// One request retried: its key, the answer its caller got before the crash, the retry's
+/// answer, and how many times the upstream received it in all.
+pub type Retry<'a> = (&'a str, &'a Option<Resp>, Resp, usize);
+
+/// Retries every request of `sent` through `proxy`, one after another, asserting nothing.
+pub async fn retry_all<'a>(
+    proxy: &ProxyProcess,
+    upstream: &RecordingUpstream,
+    sent: &'a Sent,
+) -> Vec<Retry<'a>> {
+    let url = proxy.url("/api/v1/charges");
+    let mut out = Vec::with_capacity(sent.len());
+    for (key, first) in sent {
+        let retry = request("POST", &url, &headers(key), body(key)).await;
+        let posts = upstream
+            .requests()
+            .iter()
+            .filter(|r| r.body == body(key).as_bytes())
+            .count();
+        out.push((key.as_str(), first, retry, posts));
+    }
+    out
+}
+
 /// Retries every request of `sent` through `proxy`, one after another. A key reaches the
 /// upstream at most once; an answered key replays its very answer or reads `409
 /// outcome_unknown`; one never answered replays, reads unknown, or is forwarded for the first
@@ -69,20 +93,8 @@ pub async fn retry_every(
     upstream: &RecordingUpstream,
     sent: &Sent,
 ) -> Retried {
-    let url = proxy.url("/api/v1/charges");
-    let mut r = Retried {
-        replayed: 0,
-        unknown: 0,
-        fresh: 0,
-        answered_lost: 0,
-    };
-    for (key, first) in sent {
-        let retry = request("POST", &url, &headers(key), body(key)).await;
-        let posts = upstream
-            .requests()
-            .iter()
-            .filter(|r| r.body == body(key).as_bytes())
-            .count();
+    let mut r = Retried::default();
+    for (key, first, retry, posts) in retry_all(proxy, upstream, sent).await {
         assert!(posts <= 1, "{key} reached the upstream {posts} times");
         match (retry.status, first) {
             (200, Some(first)) => {
