@@ -1,7 +1,9 @@
-//! Accepting connections under hostile load: a connection limit per listener and per peer
-//! address, and a loop that backs off (instead of spinning) when the process runs out of file
-//! descriptors, with its log line rate-limited.
+//! Accepting connections under hostile load: a connection limit per listener (at which the
+//! connection that made the least progress is shed to admit a new one, see [`crate::shed`])
+//! and, optionally, per peer address, and a loop that backs off (instead of spinning) when
+//! the process runs out of file descriptors, with its log line rate-limited.
 
+use crate::shed::{Conn, Live, Tracked};
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
@@ -15,10 +17,10 @@ type PeerCounts = Arc<Mutex<HashMap<IpAddr, usize>>>;
 /// How many connections a listener serves at once.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
-    /// In all; more wait in the kernel's backlog.
+    /// In all; a connection over it sheds the one that made the least progress.
     pub total: usize,
-    /// From one peer address (0: no limit). Connections over it are closed at once, so one
-    /// client (or one attacker) cannot take every slot and starve the others.
+    /// From one peer address (0: no limit, the default). Connections over it are closed at
+    /// once: for deployments where clients really have addresses of their own.
     pub per_ip: usize,
 }
 
@@ -32,15 +34,26 @@ pub struct Acceptor {
     limits: Limits,
     slots: Arc<Semaphore>,
     peers: PeerCounts,
+    live: Arc<Live>,
     backoff: Duration,
     errors: RateLimitedLog,
     refused: RateLimitedLog,
+    shed: RateLimitedLog,
 }
 
-/// Held for as long as a connection lives: its slot, and its count against its peer.
+/// Held for as long as a connection lives: its slot, its count against its peer, and its
+/// progress (which decides whether it is shed).
 pub struct ConnPermit {
     _slot: OwnedSemaphorePermit,
     peer: Option<(IpAddr, PeerCounts)>,
+    tracked: Tracked,
+}
+
+impl ConnPermit {
+    /// The connection's progress, and the token that sheds it.
+    pub fn conn(&self) -> Arc<Conn> {
+        self.tracked.conn().clone()
+    }
 }
 
 impl Drop for ConnPermit {
@@ -65,9 +78,11 @@ impl Acceptor {
             limits,
             slots: Arc::new(Semaphore::new(limits.total.max(1))),
             peers: Arc::default(),
+            live: Arc::default(),
             backoff: MIN_BACKOFF,
             errors: RateLimitedLog::default(),
             refused: RateLimitedLog::default(),
+            shed: RateLimitedLog::default(),
         }
     }
 
@@ -76,11 +91,6 @@ impl Acceptor {
     /// descriptors or memory, waited out with a growing pause instead of retried at once.
     pub async fn next(&mut self) -> (TcpStream, SocketAddr, ConnPermit) {
         loop {
-            let slot = match self.slots.clone().acquire_owned().await {
-                Ok(p) => p,
-                // The semaphore is never closed; wait forever rather than spin if it were.
-                Err(_) => std::future::pending().await,
-            };
             let (stream, peer) = match self.listener.accept().await {
                 Ok(accepted) => {
                     self.backoff = MIN_BACKOFF;
@@ -100,14 +110,17 @@ impl Acceptor {
             };
             match self.count_peer(peer.ip()) {
                 Some(peer_count) => {
+                    let slot = self.slot().await;
+                    let tracked = self.live.register();
                     return (
                         stream,
                         peer,
                         ConnPermit {
                             _slot: slot,
                             peer: peer_count,
+                            tracked,
                         },
-                    )
+                    );
                 }
                 None => {
                     let per_ip = self.limits.per_ip;
@@ -117,6 +130,25 @@ impl Acceptor {
                     drop(stream);
                 }
             }
+        }
+    }
+
+    /// A connection slot: a free one, or, when every slot is taken, the one the connection
+    /// that made the least progress holds, once it has closed.
+    async fn slot(&mut self) -> OwnedSemaphorePermit {
+        if let Ok(p) = self.slots.clone().try_acquire_owned() {
+            return p;
+        }
+        if self.live.shed_one() {
+            let total = self.limits.total;
+            self.shed.log(|suppressed| {
+                tracing::warn!(total, suppressed, "every connection slot is taken: closed the connection that made the least progress");
+            });
+        }
+        match self.slots.clone().acquire_owned().await {
+            Ok(p) => p,
+            // The semaphore is never closed; wait forever rather than spin if it were.
+            Err(_) => std::future::pending().await,
         }
     }
 

@@ -7,6 +7,8 @@
 //!   optional inbound TLS, graceful shutdown.
 //! - [`accept`]: the accept loop under hostile load: connection limits per listener and per
 //!   peer, back-off when file descriptors run out, rate-limited logs.
+//! - [`shed`]: at the connection limit, the connection that made the least progress is
+//!   closed to admit a new one.
 //! - [`router`]: the main-listener router: prefix → upstream, path safety, safe methods streamed
 //!   through, route matching, `unmatched` policy.
 //! - [`threads`]: connection threads beside the runtime's one worker, each keeping its
@@ -73,6 +75,7 @@ pub mod route;
 pub mod router;
 pub mod server;
 pub mod shape;
+pub mod shed;
 pub mod state;
 pub mod store;
 pub mod template;

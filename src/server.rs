@@ -301,6 +301,7 @@ fn serve(
                 watcher: graceful.watcher(),
                 handler: handler.clone(),
                 peer,
+                progress: permit.conn(),
             };
             match threads.as_ref().and_then(|t| t.next()) {
                 None => {
@@ -338,18 +339,33 @@ struct Connection {
     watcher: Watcher,
     handler: Handler,
     peer: SocketAddr,
+    /// Its progress, and the token that sheds it (see [`crate::shed`]).
+    progress: Arc<crate::shed::Conn>,
 }
 
 impl Connection {
-    /// Serves the connection (after its TLS handshake, if any) to its end.
+    /// Serves the connection to its end, or until it is shed to admit another.
     async fn serve(self, stream: TcpStream) {
+        let (peer, progress) = (self.peer, self.progress.clone());
+        tokio::select! {
+            _ = self.serve_inner(stream) => {}
+            _ = progress.shed().cancelled() => {
+                tracing::debug!(%peer, "shed: every slot taken, and this connection made the least progress");
+            }
+        }
+    }
+
+    /// Serves the connection (after its TLS handshake, if any) to its end.
+    async fn serve_inner(self, stream: TcpStream) {
         let Connection {
             tls,
             builder,
             watcher,
             handler,
             peer,
+            progress,
         } = self;
+        let stream = crate::shed::Progress::new(stream, progress);
         // Set by the first request: a connection that sends none in time is closed.
         let spoke = Arc::new(AtomicBool::new(false));
         let heard = spoke.clone();

@@ -85,6 +85,58 @@ async fn one_peer_cannot_take_every_connection_slot() {
     assert_eq!(closed, 2, "two over max_connections_per_ip were refused");
 }
 
+/// Stalled uploads from one address — every client's, behind a sidecar or a NAT — take every
+/// connection slot, and more keep coming: each new connection sheds the one that made the
+/// least progress, so a healthy client from the same address is still served. Nothing stalled
+/// is forwarded (fails when a full listener leaves new connections in its backlog: checked).
+#[tokio::test]
+async fn stalled_uploads_from_one_address_cannot_keep_a_client_out() {
+    let upstream = RecordingUpstream::start().await;
+    let proxy = TestProxy::start(&config(
+        &upstream,
+        "max_connections = 4
+",
+    ))
+    .await;
+    let mut stalled = Vec::new();
+    for _ in 0..6 {
+        let mut s = TcpStream::connect(proxy.main_addr).await.expect("connect");
+        let _ = s.write_all(STALLED).await;
+        stalled.push(s);
+    }
+    let resp = tokio::time::timeout(
+        WAIT,
+        post_json(
+            &proxy.url("/api/v1/charges"),
+            Some("k-healthy"),
+            &serde_json::json!({}),
+            &[],
+        ),
+    )
+    .await
+    .expect("a healthy client is served while stalled uploads hold every slot");
+    resp.assert_status(200);
+    assert_eq!(
+        upstream.count(),
+        1,
+        "only the healthy request was forwarded"
+    );
+    // Stalled connections were closed to make room, before the healthy one had its slot, so
+    // their end has arrived already.
+    let mut closed = 0;
+    for s in &mut stalled {
+        let mut buf = [0u8; 1];
+        match tokio::time::timeout(Duration::from_millis(200), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => closed += 1,
+            _ => {}
+        }
+    }
+    assert_eq!(
+        closed, 3,
+        "three stalled connections shed for three new ones"
+    );
+}
+
 /// Open file descriptors of a process.
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))

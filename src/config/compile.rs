@@ -105,7 +105,7 @@ fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
         }),
     };
     let max_connections = count(cx, &raw.max_connections, 8192).max(1);
-    let max_connections_per_ip = count(cx, &raw.max_connections_per_ip, 1024);
+    let max_connections_per_ip = count(cx, &raw.max_connections_per_ip, 0);
     let workers = raw
         .workers
         .as_ref()
