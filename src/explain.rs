@@ -104,7 +104,7 @@ pub fn explain(
     // store, so it takes the first candidate (the one a new store records) and says when the
     // store may use another. With none yet (SQLite's file not made), a placeholder shows the
     // shape, not the value.
-    let candidates = crate::key::secret::candidates(&config.store, false).unwrap_or_default();
+    let candidates = crate::scope_secret::candidates(&config.store, false).unwrap_or_default();
     let others = candidates.len().saturating_sub(1);
     let (scoper, keyed_by) = match candidates.into_iter().next() {
         Some(c) => (c.keyer, Some(c.source)),

@@ -24,8 +24,9 @@
 //! - [`config`]: `proxy.toml`, parsed and validated into compiled types at load.
 //! - [`template`], [`body`], [`route`], [`shape`]: the little languages of routes — templates,
 //!   body paths and forms, path patterns, a reconciled write's answer shaped from its read.
-//! - [`key`]: client keys, derived keys, fingerprints, credential scopes, and which secret
-//!   keys a store's scopes (`scope_secret`, or one derived from an encryption key).
+//! - [`key`]: client keys, derived keys, fingerprints, credential scopes.
+//! - [`scope_secret`]: which secret keys a store's scopes (`scope_secret`, one derived from an
+//!   encryption key, or SQLite's generated `.secret` file).
 //! - [`locks`]: in-process one-holder/many-waiters locks for keys and entities.
 //! - [`store`]: the durable store: four small interfaces by concern (keys, entity locks,
 //!   entity states, audit), SQLite (one process; a writer thread with group commit, its
@@ -48,6 +49,7 @@
 //! - [`error`]: the one error type of the request path and its mapping to JSON responses.
 //! - [`error_format`]: the same errors in the shape of the API behind an upstream (Stripe,
 //!   HubSpot, Zendesk), so each SDK raises its own typed error.
+//! - [`redact`]: store URLs fit for logs, their passwords masked.
 //! - [`logging`]: log lines and CLI output with control characters escaped (no forged
 //!   lines, no terminal escapes from request data).
 //! - [`cli`]: the `idemproxy` commands (`serve`, `check`, `explain`, `keys`, `migrate`).
@@ -70,9 +72,11 @@ pub mod locks;
 pub mod logging;
 pub mod metrics;
 pub mod pipeline;
+pub mod redact;
 pub mod reload;
 pub mod route;
 pub mod router;
+pub mod scope_secret;
 pub mod server;
 pub mod shape;
 pub mod shed;

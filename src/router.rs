@@ -73,7 +73,7 @@ async fn dispatch(
         query: uri.query(),
     };
     let result = match action {
-        Action::Passthrough => passthrough(state, &target, req).await,
+        Action::Passthrough => passthrough(state.client(target.upstream)?, &target, req).await,
         Action::Protect(route, params, canonical) => {
             crate::pipeline::run(state, &route, params, &canonical, &target, req).await
         }

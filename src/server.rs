@@ -66,7 +66,7 @@ impl Server {
             .await
             .with_context(|| format!("cannot open the store {}", config.store.display_url()))?;
         let (scoper, check, source) =
-            crate::key::secret::for_store(&config.store, store.as_ref()).await?;
+            crate::scope_secret::for_store(&config.store, store.as_ref()).await?;
         tracing::info!(
             scopes_keyed_by = %source,
             "{}",

@@ -15,6 +15,7 @@ pub mod units;
 
 use crate::body::BodyPath;
 pub use crate::key::FingerprintRule;
+pub use crate::redact::redact_url;
 use crate::route::PathPattern;
 use crate::template::Template;
 use http::{HeaderName, Method};
@@ -23,7 +24,6 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-pub use units::redact_url;
 
 /// The validated configuration.
 #[derive(Debug)]

@@ -1,11 +1,10 @@
 //! Idempotency keys: read from the client or derived from the intent ([`header_key`],
 //! [`normalize_derived`]), recognized when an SDK made them up ([`KeyPattern`]), fingerprinted
-//! ([`fingerprint`]) and scoped by the caller's credentials ([`scope`]), with the secret the
-//! store's scopes were keyed with ([`secret`]).
+//! ([`fingerprint`]) and scoped by the caller's credentials ([`scope`]); the secret the store's
+//! scopes were keyed with is [`crate::scope_secret`]'s.
 
 mod fingerprint;
 pub mod scope;
-pub mod secret;
 
 pub use fingerprint::{fingerprint, FingerprintRule, Intent};
 pub use scope::{

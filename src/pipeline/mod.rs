@@ -56,7 +56,10 @@ pub async fn run(
     req: Request<Incoming>,
 ) -> ProxyResult<Response<ProxyBody>> {
     let plan = match prepare::plan_key(target.upstream, route, req.headers()) {
-        Ok(KeyPlan::Unprotected) => return crate::upstream::passthrough(state, target, req).await,
+        Ok(KeyPlan::Unprotected) => {
+            let client = state.client(target.upstream)?;
+            return crate::upstream::passthrough(client, target, req).await;
+        }
         plan => plan,
     };
     state.stats.on_protected();

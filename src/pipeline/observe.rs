@@ -31,7 +31,7 @@ pub(super) async fn passthrough(
     req: http::Request<hyper::body::Incoming>,
 ) -> crate::error::ProxyResult<Response<ProxyBody>> {
     let would = refused.kind.as_str();
-    let mut resp = crate::upstream::passthrough(&ctx.state, target, req).await?;
+    let mut resp = crate::upstream::passthrough(&ctx.client, target, req).await?;
     ctx.observed = Some(would);
     ctx.upstream_status = Some(resp.status().as_u16());
     resp.headers_mut()

@@ -411,7 +411,7 @@ pub async fn open(
     } else {
         return Err(StoreError::Unavailable(format!(
             "store {}: use sqlite://FILE or postgres://...",
-            crate::config::redact_url(url)
+            crate::redact::redact_url(url)
         )));
     };
     // A serving process replays hot keys from memory; a CLI process reads the store itself.

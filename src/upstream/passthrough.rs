@@ -2,10 +2,9 @@
 //! "passthrough"`, optional keys left out — stream through: unbuffered, unlocked, unrecorded.
 
 use super::call::describe;
-use super::client::{request_headers, strip_hop_by_hop, ProxyBody};
+use super::client::{request_headers, strip_hop_by_hop, ProxyBody, UpstreamClient};
 use crate::config::Upstream;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
-use crate::state::AppState;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
@@ -28,13 +27,12 @@ impl Target<'_> {
     }
 }
 
-/// Streams a request through, unlocked and unrecorded.
+/// Streams a request through `client` (the target's upstream's), unlocked and unrecorded.
 pub async fn passthrough(
-    state: &AppState,
+    client: &UpstreamClient,
     target: &Target<'_>,
     req: Request<Incoming>,
 ) -> ProxyResult<Response<ProxyBody>> {
-    let client = state.client(target.upstream)?;
     let (parts, body) = req.into_parts();
     let uri = client.uri(&target.path_and_query()).map_err(|e| {
         ProxyError::new(

@@ -235,60 +235,6 @@ fn owner_only(db: &std::path::Path) -> StoreResult<()> {
     Ok(())
 }
 
-/// The scope secret of a SQLite store whose config names none: 32 random bytes kept in
-/// `<db>.secret` (`0600`), generated on first start. A file of its own, so a copy of the
-/// database alone does not carry it; losing it makes every stored key look new, so back it
-/// up with the database.
-pub fn default_scope_secret(url: &str) -> StoreResult<Vec<u8>> {
-    let path = secret_path(url)?;
-    match std::fs::read_to_string(&path) {
-        Ok(text) if text.trim().len() >= 32 => return Ok(text.trim().as_bytes().to_vec()),
-        Ok(_) => {
-            return Err(StoreError::File(format!(
-                "{} holds no usable secret (delete it only if the database is new)",
-                path.display()
-            )))
-        }
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            return Err(StoreError::File(format!(
-                "cannot read {}: {e}",
-                path.display()
-            )))
-        }
-        Err(_) => {}
-    }
-    let mut bytes = [0u8; 32];
-    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
-        .map_err(|_| StoreError::File("no system randomness for the scope secret".into()))?;
-    let secret = hex::encode(bytes);
-    let mut open = std::fs::OpenOptions::new();
-    open.create_new(true).write(true);
-    #[cfg(unix)]
-    std::os::unix::fs::OpenOptionsExt::mode(&mut open, 0o600);
-    let written = open.open(&path).and_then(|mut f| {
-        use std::io::Write;
-        f.write_all(secret.as_bytes())?;
-        f.sync_all()
-    });
-    written.map_err(|e| StoreError::File(format!("cannot create {}: {e}", path.display())))?;
-    Ok(secret.into_bytes())
-}
-
-fn secret_path(url: &str) -> StoreResult<std::path::PathBuf> {
-    let opts = SqliteConnectOptions::from_str(url)?;
-    let mut path = opts.get_filename().as_os_str().to_owned();
-    path.push(".secret");
-    Ok(path.into())
-}
-
-/// The generated scope secret, if the store has one already (never creates it): what
-/// `explain` keys scopes with, to show what the proxy stores.
-pub fn existing_scope_secret(url: &str) -> Option<Vec<u8>> {
-    let text = std::fs::read_to_string(secret_path(url).ok()?).ok()?;
-    let text = text.trim();
-    (text.len() >= 32).then(|| text.as_bytes().to_vec())
-}
-
 fn lock_path(db: &std::path::Path) -> std::path::PathBuf {
     let mut path = db.as_os_str().to_owned();
     path.push(".lock");

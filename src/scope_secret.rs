@@ -1,4 +1,7 @@
-//! Which secret keys a store's credential scopes.
+//! Which secret keys a store's credential scopes, and the SQLite store's generated one.
+//!
+//! Above `key`, `config` and `store` (it reads the config and asks the store), so none of
+//! them depends on another through it.
 //!
 //! An explicit `store.scope_secret` always does. Without one, and with `store.encryption_key`,
 //! the secret is derived from an encryption key (HKDF, see
@@ -10,10 +13,12 @@
 //! was on — and the one whose id the store recorded (`idem_meta.scope_secret_id`) is used.
 //! A store that recorded none takes the first: the current key's.
 
-use super::ScopeKeyer;
 use crate::config::StoreConfig;
-use crate::store::{ScopeCheck, Store, StoreResult};
+use crate::key::ScopeKeyer;
+use crate::store::{ScopeCheck, Store, StoreError, StoreResult};
 use anyhow::Context;
+use sqlx::sqlite::SqliteConnectOptions;
+use std::str::FromStr;
 
 /// A secret that may key the store's credential scopes.
 pub struct Candidate {
@@ -37,10 +42,10 @@ pub fn candidates(store: &StoreConfig, create: bool) -> StoreResult<Vec<Candidat
     let Some(cipher) = &store.encryption else {
         return Ok(match (sqlite, create) {
             (true, true) => {
-                let secret = crate::store::sqlite::default_scope_secret(&store.url)?;
+                let secret = default_scope_secret(&store.url)?;
                 vec![candidate(&secret, "the store's .secret file".into())]
             }
-            (true, false) => crate::store::sqlite::existing_scope_secret(&store.url)
+            (true, false) => existing_scope_secret(&store.url)
                 .map(|s| candidate(&s, "the store's .secret file".into()))
                 .into_iter()
                 .collect(),
@@ -62,7 +67,7 @@ pub fn candidates(store: &StoreConfig, create: bool) -> StoreResult<Vec<Candidat
         .collect();
     // A store that ran before encryption was on keyed its scopes with its generated file.
     if sqlite {
-        if let Some(s) = crate::store::sqlite::existing_scope_secret(&store.url) {
+        if let Some(s) = existing_scope_secret(&store.url) {
             out.push(candidate(&s, "the store's .secret file".into()));
         }
     }
@@ -106,4 +111,58 @@ pub async fn for_store(
         check.recorded,
         tried.join(", ")
     )
+}
+
+/// The scope secret of a SQLite store whose config names none: 32 random bytes kept in
+/// `<db>.secret` (`0600`), generated on first start. A file of its own, so a copy of the
+/// database alone does not carry it; losing it makes every stored key look new, so back it
+/// up with the database.
+pub fn default_scope_secret(url: &str) -> StoreResult<Vec<u8>> {
+    let path = secret_path(url)?;
+    match std::fs::read_to_string(&path) {
+        Ok(text) if text.trim().len() >= 32 => return Ok(text.trim().as_bytes().to_vec()),
+        Ok(_) => {
+            return Err(StoreError::File(format!(
+                "{} holds no usable secret (delete it only if the database is new)",
+                path.display()
+            )))
+        }
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            return Err(StoreError::File(format!(
+                "cannot read {}: {e}",
+                path.display()
+            )))
+        }
+        Err(_) => {}
+    }
+    let mut bytes = [0u8; 32];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut bytes)
+        .map_err(|_| StoreError::File("no system randomness for the scope secret".into()))?;
+    let secret = hex::encode(bytes);
+    let mut open = std::fs::OpenOptions::new();
+    open.create_new(true).write(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut open, 0o600);
+    let written = open.open(&path).and_then(|mut f| {
+        use std::io::Write;
+        f.write_all(secret.as_bytes())?;
+        f.sync_all()
+    });
+    written.map_err(|e| StoreError::File(format!("cannot create {}: {e}", path.display())))?;
+    Ok(secret.into_bytes())
+}
+
+fn secret_path(url: &str) -> StoreResult<std::path::PathBuf> {
+    let opts = SqliteConnectOptions::from_str(url)?;
+    let mut path = opts.get_filename().as_os_str().to_owned();
+    path.push(".secret");
+    Ok(path.into())
+}
+
+/// The generated scope secret, if the store has one already (never creates it): what
+/// `explain` keys scopes with, to show what the proxy stores.
+pub fn existing_scope_secret(url: &str) -> Option<Vec<u8>> {
+    let text = std::fs::read_to_string(secret_path(url).ok()?).ok()?;
+    let text = text.trim();
+    (text.len() >= 32).then(|| text.as_bytes().to_vec())
 }
