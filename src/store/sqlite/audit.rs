@@ -104,7 +104,11 @@ pub fn purge(conn: &Connection, now: i64, batch: i64, released_before: i64) -> S
 #[async_trait]
 impl AuditLog for SqliteStore {
     async fn append_audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
-        self.writer.audit(rows).await
+        self.writer
+            .write_heard(super::job::Heard::Committed, move |ctx| {
+                append_audit(ctx.conn, &rows)
+            })
+            .await
     }
     async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
         let rows = sqlx::query(&format!(

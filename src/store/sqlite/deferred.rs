@@ -12,7 +12,7 @@
 //! with nothing to do is woken, once, as a lone client's outcome must not wait for a
 //! reservation that may never come.
 
-use super::writer::{deliver, Ctx, Heard, Job};
+use super::job::{deliver, Ctx, Heard, Job};
 use crate::store::{AfterCommit, StoreResult};
 use std::collections::VecDeque;
 use std::sync::Mutex;

@@ -4,7 +4,7 @@
 //! pool.
 
 use super::entities::apply_effects;
-use super::writer::{Ctx, Heard};
+use super::job::{Ctx, Heard};
 use super::*;
 use rusqlite::{params, OptionalExtension};
 
@@ -194,7 +194,10 @@ impl SqliteStore {
             true => heard,
             false => Heard::Synced,
         };
-        self.writer.finish(id.clone(), epoch, columns, heard).await
+        let id = id.clone();
+        self.writer
+            .write_heard(heard, move |ctx| finish(ctx, &id, epoch, &columns))
+            .await
     }
 }
 
@@ -222,7 +225,7 @@ impl Keys for SqliteStore {
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
         // A new key is one insert; a standing one is read and changes nothing, so its commit
         // writes nothing and syncs nothing (see `reserve` above).
-        self.writer.reserve(r).await
+        self.writer.write(move |ctx| reserve(ctx, &r)).await
     }
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
         self.store_outcome(id, epoch, outcome, Heard::Synced).await
@@ -253,7 +256,11 @@ impl Keys for SqliteStore {
         if !columns.effects.is_empty() {
             // Never answered first (see `store_outcome`): its caller hears once it is synced.
             return Some(Box::pin(async move {
-                then(self.writer.finish(id, epoch, columns, Heard::Synced).await)
+                let done = self
+                    .writer
+                    .write_heard(Heard::Synced, move |ctx| finish(ctx, &id, epoch, &columns))
+                    .await;
+                then(done)
             }));
         }
         let write = move |ctx: &Ctx| finish(ctx, &id, epoch, &columns);

@@ -16,6 +16,7 @@ mod audit;
 mod deferred;
 mod durable;
 mod entities;
+mod job;
 mod keys;
 mod meta;
 mod reader;

@@ -26,11 +26,9 @@
 //! client's next write comes sooner than a wake-up), [`super::writer_pace`].
 
 use super::deferred::{Deferred, Later};
-use super::durable::{Delivery, Syncer};
-use crate::store::{
-    AuditRow, FinishColumns, Reservation, Reserved, ScopedKey, SharedCipher, StoreError,
-    StoreResult,
-};
+use super::durable::Syncer;
+pub(super) use super::job::{deliver, Ctx, Heard, Job};
+use crate::store::{SharedCipher, StoreError, StoreResult};
 use rusqlite::Connection;
 use std::sync::Arc;
 use std::time::Duration;
@@ -66,44 +64,6 @@ impl Linger {
             Linger::Always(d) => Some(d),
         }
     }
-}
-
-/// What a job is given: the connection (inside the batch's transaction), the batch's clock
-/// (ms), and the cipher that opens the records a reservation finds standing.
-pub struct Ctx<'a> {
-    pub conn: &'a Connection,
-    pub now: i64,
-    pub cipher: Option<&'a crate::store::seal::Cipher>,
-}
-
-/// Holds `res` until the commit, then hands it to `to`; a failed commit turns it into that
-/// error.
-pub(super) fn deliver<T: Send + 'static>(
-    to: impl FnOnce(StoreResult<T>) + Send + 'static,
-    res: StoreResult<T>,
-) -> Delivery {
-    Box::new(move |failure: Option<&str>| {
-        to(match failure {
-            Some(msg) => Err(StoreError::Unavailable(msg.to_owned())),
-            None => res,
-        })
-    })
-}
-
-/// One write, run in the batch's transaction; what it returns is delivered after the commit.
-pub type Job = Box<dyn FnOnce(&Ctx) -> Delivery + Send>;
-
-/// When a write's caller hears back.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Heard {
-    /// Once its commit is on disk: what the caller acts on (a reservation before a forward).
-    Synced,
-    /// Once it is committed (visible to every reader), its `fdatasync` following within
-    /// [`super::durable::LAZY_SYNC`]: for writes nobody acts on being durable — an outcome
-    /// whose caller was already answered (`Keys::finish_answered`), audit rows. Their callers
-    /// let go of the key's slot and entity locks at once, and a lone first write pays one
-    /// `fdatasync` (its reservation's), not two.
-    Committed,
 }
 
 enum Msg {
@@ -186,21 +146,6 @@ impl Writer {
             .map_err(|_| StoreError::Unavailable("the write's batch failed before it ran".into()))?
     }
 
-    pub async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
-        self.write(move |ctx| super::keys::reserve(ctx, &r)).await
-    }
-
-    pub async fn finish(
-        &self,
-        id: ScopedKey,
-        epoch: i64,
-        f: FinishColumns,
-        heard: Heard,
-    ) -> StoreResult<bool> {
-        self.write_heard(heard, move |ctx| super::keys::finish(ctx, &id, epoch, &f))
-            .await
-    }
-
     /// Runs `f` in a coming batch without waiting for it (see [`super::deferred`]): `then`
     /// hears how it went, on the writer's thread, once committed.
     pub fn finish_later<F>(&self, f: F, then: crate::store::AfterCommit)
@@ -214,13 +159,6 @@ impl Writer {
             Ok(false) => {}
             Err(later) => (later.then)(Err(StoreError::Closed)),
         }
-    }
-
-    pub async fn audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
-        self.write_heard(Heard::Committed, move |ctx| {
-            super::audit::append_audit(ctx.conn, &rows)
-        })
-        .await
     }
 
     /// Flushes queued writes (committed and synced), then stops the thread.
