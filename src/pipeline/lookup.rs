@@ -4,6 +4,7 @@
 //! is taken over and re-forwarded) or the route reconciles it (then it is taken over and the
 //! real system asked first, see `reconcile`).
 
+use super::refusals::{in_progress, outcome_unknown};
 use super::Ctx;
 use crate::config::InFlight;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
@@ -264,27 +265,9 @@ fn sealed(ctx: &Ctx, e: crate::store::StoreError) -> ProxyError {
     ProxyError::store("a stored answer for this key cannot be decrypted")
 }
 
-/// `409 outcome_unknown`: an earlier attempt reached the upstream and no one knows whether it
-/// happened (`why`: what the proxy tried).
-pub(super) fn outcome_unknown(why: Option<&str>) -> ProxyError {
-    let why = why.map(|w| format!(": {w}")).unwrap_or_default();
-    ProxyError::new(
-        ErrorKind::OutcomeUnknown,
-        format!("an earlier attempt with this key reached the upstream but its outcome is unknown{why}; check the upstream, then resolve it with `idemproxy keys release KEY`"),
-    )
-}
-
 fn key_reused() -> ProxyError {
     ProxyError::new(
         ErrorKind::KeyReused,
         "this idempotency key was used for a different request (method, path, query or body differ)",
     )
-}
-
-pub(super) fn in_progress() -> ProxyError {
-    ProxyError::new(
-        ErrorKind::RequestInProgress,
-        "a request with this idempotency key is in progress",
-    )
-    .retry_after(Duration::from_secs(1))
 }

@@ -26,6 +26,7 @@ pub mod observe;
 mod outcome;
 pub mod prepare;
 mod reconcile;
+mod refusals;
 mod reserve;
 mod side_read;
 mod store;
@@ -152,7 +153,7 @@ async fn reserve_forward_store(mut ctx: Ctx, reply: Reply) {
     }
     if let Some(wait) = ctx.reconcile_first {
         // Boxed, as in `store`: a rare path that needs an upstream call's room.
-        if let Some(outcome) = Box::pin(reconcile::before_retry(&mut ctx, wait)).await {
+        if let Some(outcome) = Box::pin(reserve::before_retry(&mut ctx, wait)).await {
             let _ = reply.send(Detached::Finished(ctx.finish(outcome)));
             return;
         }

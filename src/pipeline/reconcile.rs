@@ -3,25 +3,25 @@
 //! A write that was sent but got no answer may or may not have happened. A route with
 //! `reconcile` asks: still holding the entity locks (so nothing else writes the entity
 //! meanwhile), it waits `after`, sends the reconcile read with the caller's credentials, and
-//! acts on the answer — `found`: the key is completed with that answer, marked reconciled;
-//! `not_found`: the key is released (the write did not happen); anything else: the key stays
-//! unknown. This runs right after the forward lost its answer ([`after_unknown`]) and when a
-//! retry meets an unknown key ([`before_retry`]), at most once per `after` for one key.
+//! returns a [`Verdict`] — found (the read's answer, marked reconciled), not found, or cannot
+//! tell — for its callers to act on: step 7 right after the forward lost its answer
+//! (`store::after_unknown`), and a retry that met an unknown key before its forward
+//! (`reserve::before_retry`), at most once per `after` for one key. A leaf of the pipeline: it
+//! decides, it stores nothing.
 
 use super::forward::renewing;
-use super::outcome::Outcome;
 use super::prepare::ReconcileRead;
-use super::{checks, side_read, store, Ctx};
+use super::{side_read, Ctx};
 use crate::config::{Mode, Reconcile};
 use crate::error::ProxyError;
-use crate::store::{now_ms, Finish, KeyRecord, KeyState, StoredResponse, RECONCILED};
+use crate::store::{now_ms, KeyRecord, KeyState, StoredResponse, RECONCILED};
 use crate::template::STAMP_MARK;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
-/// What the reconcile read said.
-enum Verdict {
+/// What the reconcile read said, for its caller to act on.
+pub(super) enum Verdict {
     /// The write happened: the read's answer, marked reconciled.
     Found(Arc<StoredResponse>),
     /// It did not.
@@ -98,67 +98,8 @@ fn due(rec: &KeyRecord, after: Duration, timeout: Duration, now: i64) -> Due {
     }
 }
 
-/// Right after a forward lost its answer: what the request gets and what the key becomes.
-pub(super) async fn after_unknown(ctx: &mut Ctx, lost: ProxyError) -> (Outcome, Finish) {
-    let after = ctx
-        .route
-        .reconcile
-        .as_ref()
-        .map_or(Duration::ZERO, |rc| rc.after);
-    match ask(ctx, after).await {
-        Verdict::Found(stored) => {
-            let outcome = Outcome::Reconciled(stored);
-            let finish = store::finish_of(ctx, &outcome);
-            (outcome, finish)
-        }
-        Verdict::NotFound => {
-            let e = lost.also(
-                "the reconcile read says the write did not happen: a retry is forwarded again",
-            );
-            (Outcome::Unknown(e), Finish::Released)
-        }
-        Verdict::Failed(why) => {
-            let e = lost.also(&format!(
-                "the reconcile read could not tell ({why}): the outcome stays unknown"
-            ));
-            (Outcome::Unknown(e), Finish::Unknown)
-        }
-    }
-}
-
-/// A retry that met an unknown key and took it over (step 5, with `take_unknown`): `None`
-/// when the write did not happen and this request goes on to be forwarded (after the checks
-/// it skipped, which a found write would have made moot), else how the request ends.
-pub(super) async fn before_retry(ctx: &mut Ctx, wait: Duration) -> Option<Outcome> {
-    let (outcome, finish) = match ask(ctx, wait).await {
-        Verdict::Found(stored) => {
-            // A retry gets what is stored (the read's `Set-Cookie` is not the write's).
-            let stored = stored.for_storage(ctx.upstream.store_set_cookie);
-            let finish = store::completed(ctx, stored.clone());
-            (Outcome::Replayed(stored), finish)
-        }
-        Verdict::NotFound => match checks::step(ctx).await {
-            // The read and the checks took time: the key and the entities must still be ours
-            // before the write goes, or another replica may be sending it too.
-            Ok(()) => match super::reserve::still_ours(ctx).await {
-                Ok(()) => return None,
-                Err(e) => return Some(Outcome::Refused(e)),
-            },
-            Err(e) => (Outcome::Refused(e), Finish::Released),
-        },
-        Verdict::Failed(why) => {
-            let e = unknown(&format!(
-                "the reconcile read could not tell whether the earlier attempt happened ({why})"
-            ));
-            (Outcome::Refused(e), Finish::Unknown)
-        }
-    };
-    store::record(ctx, finish).await;
-    Some(outcome)
-}
-
 /// Waits, sends the read, judges the answer; audited and counted.
-async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
+pub(super) async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
     let (Some(rc), Some(read)) = (&ctx.route.reconcile, &ctx.p.reconcile) else {
         return Verdict::Failed("the route has no reconcile".into());
     };
@@ -230,8 +171,8 @@ fn judge(rc: &Reconcile, read: &ReconcileRead, mut answer: StoredResponse) -> Ve
     Verdict::Failed(format!("it was answered {}", answer.status))
 }
 
-fn unknown(why: &str) -> ProxyError {
-    super::lookup::outcome_unknown(Some(why))
+pub(super) fn unknown(why: &str) -> ProxyError {
+    super::refusals::outcome_unknown(Some(why))
 }
 
 #[cfg(test)]

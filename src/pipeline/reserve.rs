@@ -3,9 +3,12 @@
 //! `503 store_unavailable`, never a forward (fail closed).
 
 use super::lock::entity_busy;
-use super::Ctx;
+use super::outcome::Outcome;
+use super::reconcile::{self, Verdict};
+use super::{checks, store, Ctx};
 use crate::error::{ProxyError, ProxyResult};
-use crate::store::{Reservation, Reserved};
+use crate::store::{Finish, Reservation, Reserved};
+use std::time::Duration;
 
 impl Ctx {
     /// The reservation of this request's key, for a full lease from now.
@@ -54,7 +57,7 @@ pub(super) async fn still_ours(ctx: &mut Ctx) -> ProxyResult<()> {
     ctx.slot = None;
     Err(match renewed {
         Err(e) => ProxyError::store(e),
-        _ => super::lookup::in_progress(),
+        _ => super::refusals::in_progress(),
     })
 }
 
@@ -80,4 +83,35 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<bool> {
             Err(ProxyError::store(e))
         }
     }
+}
+
+/// A retry that met an unknown key and took it over (step 5, with `take_unknown`): `None`
+/// when the write did not happen and this request goes on to be forwarded (after the checks
+/// it skipped, which a found write would have made moot), else how the request ends.
+pub(super) async fn before_retry(ctx: &mut Ctx, wait: Duration) -> Option<Outcome> {
+    let (outcome, finish) = match reconcile::ask(ctx, wait).await {
+        Verdict::Found(stored) => {
+            // A retry gets what is stored (the read's `Set-Cookie` is not the write's).
+            let stored = stored.for_storage(ctx.upstream.store_set_cookie);
+            let finish = store::completed(ctx, stored.clone());
+            (Outcome::Replayed(stored), finish)
+        }
+        Verdict::NotFound => match checks::step(ctx).await {
+            // The read and the checks took time: the key and the entities must still be ours
+            // before the write goes, or another replica may be sending it too.
+            Ok(()) => match still_ours(ctx).await {
+                Ok(()) => return None,
+                Err(e) => return Some(Outcome::Refused(e)),
+            },
+            Err(e) => (Outcome::Refused(e), Finish::Released),
+        },
+        Verdict::Failed(why) => {
+            let e = reconcile::unknown(&format!(
+                "the reconcile read could not tell whether the earlier attempt happened ({why})"
+            ));
+            (Outcome::Refused(e), Finish::Unknown)
+        }
+    };
+    store::record(ctx, finish).await;
+    Some(outcome)
 }

@@ -10,6 +10,7 @@
 //! version, a claim) wait for their commit.
 
 use super::outcome::{Answer, Outcome};
+use super::reconcile::{self, Verdict};
 use super::{Ctx, Detached, Reply};
 use crate::error::{ErrorKind, ProxyError};
 use crate::store::{
@@ -17,6 +18,7 @@ use crate::store::{
 };
 use crate::upstream::Outcome as Called;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Step 7, to the end of the request: answers the caller (at once, or once the outcome is
 /// stored), stores the outcome, writes the audit row.
@@ -57,12 +59,38 @@ async fn decide(ctx: &mut Ctx, called: Called) -> (Outcome, Finish) {
         // Boxed: the reconcile's read is a whole upstream call, and every first write would
         // otherwise carry room for it in its task (and copy that room when the task is spawned
         // and when it ends).
-        Outcome::Unknown(e) if super::reconcile::applies(ctx) => {
-            Box::pin(super::reconcile::after_unknown(ctx, e)).await
-        }
+        Outcome::Unknown(e) if reconcile::applies(ctx) => Box::pin(after_unknown(ctx, e)).await,
         outcome => {
             let finish = finish_of(ctx, &outcome);
             (outcome, finish)
+        }
+    }
+}
+
+/// Right after a forward lost its answer: what the request gets and what the key becomes.
+async fn after_unknown(ctx: &mut Ctx, lost: ProxyError) -> (Outcome, Finish) {
+    let after = ctx
+        .route
+        .reconcile
+        .as_ref()
+        .map_or(Duration::ZERO, |rc| rc.after);
+    match reconcile::ask(ctx, after).await {
+        Verdict::Found(stored) => {
+            let outcome = Outcome::Reconciled(stored);
+            let finish = finish_of(ctx, &outcome);
+            (outcome, finish)
+        }
+        Verdict::NotFound => {
+            let e = lost.also(
+                "the reconcile read says the write did not happen: a retry is forwarded again",
+            );
+            (Outcome::Unknown(e), Finish::Released)
+        }
+        Verdict::Failed(why) => {
+            let e = lost.also(&format!(
+                "the reconcile read could not tell ({why}): the outcome stays unknown"
+            ));
+            (Outcome::Unknown(e), Finish::Unknown)
         }
     }
 }
