@@ -57,6 +57,8 @@
 //! - [`fault`]: named fault points for the deterministic crash tests (the `faults` feature
 //!   only; nothing without it).
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 pub mod accept;
 pub mod admin;
 pub mod audit;

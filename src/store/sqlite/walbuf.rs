@@ -41,6 +41,7 @@ struct Registered {
 }
 // SAFETY: the pointer is to SQLite's static unix VFS, which SQLite itself shares across threads.
 unsafe impl Send for Registered {}
+// SAFETY: as for `Send`: the VFS is only read, and SQLite's own functions are thread-safe.
 unsafe impl Sync for Registered {}
 
 static VFS: OnceLock<Option<Registered>> = OnceLock::new();
@@ -96,6 +97,13 @@ fn unix() -> *mut ffi::sqlite3_vfs {
         .map_or(std::ptr::null_mut(), |r| r.unix)
 }
 
+/// `xOpen`: WAL files become [`WalFile`]s around a unix VFS file of their own; every other file
+/// is the unix VFS's, in place.
+///
+/// # Safety
+/// Called by SQLite only, as `xOpen` of the VFS [`register`] made: `file` points at
+/// `szOsFile` bytes SQLite owns (at least a [`WalFile`]), `name` and `out_flags` are as SQLite's
+/// VFS contract gives them.
 unsafe extern "C" fn open(
     _vfs: *mut ffi::sqlite3_vfs,
     name: ffi::sqlite3_filename,
@@ -103,155 +111,209 @@ unsafe extern "C" fn open(
     flags: c_int,
     out_flags: *mut c_int,
 ) -> c_int {
-    let unix = unix();
-    let Some(unix_open) = unix.as_ref().and_then(|u| u.xOpen) else {
-        return ffi::SQLITE_ERROR;
-    };
-    if flags & ffi::SQLITE_OPEN_WAL == 0 {
-        // Not a WAL: the unix VFS's own file, in the memory SQLite gave us (szOsFile covers it).
-        return unix_open(unix, name, file, flags, out_flags);
-    }
-    let words = ((*unix).szOsFile as usize).div_ceil(8);
-    let inner = Box::into_raw(vec![0u64; words].into_boxed_slice()) as *mut ffi::sqlite3_file;
-    let rc = unix_open(unix, name, inner, flags, out_flags);
-    if rc != ffi::SQLITE_OK {
-        if let Some(close) = (*inner).pMethods.as_ref().and_then(|m| m.xClose) {
-            close(inner);
+    // SAFETY: the contract above: `file` has room for a `WalFile`, `unix` is SQLite's static
+    // unix VFS, and `inner` is memory of its own, sized as that VFS asks (`szOsFile`).
+    unsafe {
+        let unix = unix();
+        let Some(unix_open) = unix.as_ref().and_then(|u| u.xOpen) else {
+            return ffi::SQLITE_ERROR;
+        };
+        if flags & ffi::SQLITE_OPEN_WAL == 0 {
+            // Not a WAL: the unix VFS's own file, in the memory SQLite gave us (szOsFile covers it).
+            return unix_open(unix, name, file, flags, out_flags);
         }
-        free_inner(inner, words);
-        (*file).pMethods = std::ptr::null();
-        return rc;
-    }
-    std::ptr::write(
-        file as *mut WalFile,
-        WalFile {
-            base: ffi::sqlite3_file {
-                pMethods: &WAL_METHODS,
+        let words = ((*unix).szOsFile as usize).div_ceil(8);
+        let inner = Box::into_raw(vec![0u64; words].into_boxed_slice()) as *mut ffi::sqlite3_file;
+        let rc = unix_open(unix, name, inner, flags, out_flags);
+        if rc != ffi::SQLITE_OK {
+            if let Some(close) = (*inner).pMethods.as_ref().and_then(|m| m.xClose) {
+                close(inner);
+            }
+            free_inner(inner, words);
+            (*file).pMethods = std::ptr::null();
+            return rc;
+        }
+        std::ptr::write(
+            file as *mut WalFile,
+            WalFile {
+                base: ffi::sqlite3_file {
+                    pMethods: &WAL_METHODS,
+                },
+                inner,
+                inner_words: words,
+                gathered: Vec::new(),
+                start: 0,
+                through_next: false,
             },
-            inner,
-            inner_words: words,
-            gathered: Vec::new(),
-            start: 0,
-            through_next: false,
-        },
-    );
-    ffi::SQLITE_OK
+        );
+        ffi::SQLITE_OK
+    }
 }
 
+/// Frees the unix VFS file's memory.
+///
+/// # Safety
+/// `inner` is the `words`-long boxed slice [`open`] allocated, not freed before and not used
+/// after.
 unsafe fn free_inner(inner: *mut ffi::sqlite3_file, words: usize) {
-    drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
-        inner as *mut u64,
-        words,
-    )));
+    // SAFETY: the contract above: it is that allocation, given back once.
+    drop(unsafe { Box::from_raw(std::ptr::slice_from_raw_parts_mut(inner as *mut u64, words)) });
 }
 
+/// The [`WalFile`] a method is called on.
+///
+/// # Safety
+/// `file` is a file [`open`] made a `WalFile` (its methods are [`WAL_METHODS`], so only they are
+/// called with it), not yet closed; SQLite calls one method of a file at a time, so the
+/// reference is the only one while it lives.
 unsafe fn wal<'a>(file: *mut ffi::sqlite3_file) -> &'a mut WalFile {
-    &mut *(file as *mut WalFile)
+    // SAFETY: the contract above.
+    unsafe { &mut *(file as *mut WalFile) }
 }
 
+/// The unix VFS file's methods.
+///
+/// # Safety
+/// `w.inner` is the unix VFS file [`open`] opened successfully (so its `pMethods` is set, to
+/// SQLite's static methods), not yet closed.
 unsafe fn methods<'a>(w: &WalFile) -> &'a ffi::sqlite3_io_methods {
-    &*(*w.inner).pMethods
+    // SAFETY: the contract above.
+    unsafe { &*(*w.inner).pMethods }
 }
 
 /// Writes what is gathered, in one call.
+///
+/// # Safety
+/// As [`methods`]: `w` is an open [`WalFile`].
 unsafe fn flush(w: &mut WalFile) -> c_int {
     if w.gathered.is_empty() {
         return ffi::SQLITE_OK;
     }
-    let Some(write) = methods(w).xWrite else {
-        return ffi::SQLITE_IOERR_WRITE;
-    };
-    let rc = write(
-        w.inner,
-        w.gathered.as_ptr() as *const c_void,
-        w.gathered.len() as c_int,
-        w.start,
-    );
-    w.gathered.clear();
-    rc
+    // SAFETY: the contract above; the buffer is ours and lives through the call.
+    unsafe {
+        let Some(write) = methods(w).xWrite else {
+            return ffi::SQLITE_IOERR_WRITE;
+        };
+        let rc = write(
+            w.inner,
+            w.gathered.as_ptr() as *const c_void,
+            w.gathered.len() as c_int,
+            w.start,
+        );
+        w.gathered.clear();
+        rc
+    }
 }
 
+/// `xWrite`: appends gathered, flushed at the commit frame (see the module's notes).
+///
+/// # Safety
+/// Called by SQLite only, on a file [`open`] made a [`WalFile`], with `data` pointing at
+/// `amount` readable bytes.
 unsafe extern "C" fn write(
     file: *mut ffi::sqlite3_file,
     data: *const c_void,
     amount: c_int,
     offset: ffi::sqlite3_int64,
 ) -> c_int {
-    let w = wal(file);
-    let bytes = std::slice::from_raw_parts(data as *const u8, amount.max(0) as usize);
-    let end = w.start + w.gathered.len() as i64;
-    let appends = w.gathered.is_empty() || offset == end;
-    let frame_part =
-        bytes.len() == FRAME_HEADER || bytes.len().is_power_of_two() && bytes.len() >= 512;
-    let commit = bytes.len() == FRAME_HEADER && bytes[4..8] != [0; 4];
-    // A commit frame's page goes straight through whichever way its header went: nothing
-    // written before the commit returns may stay gathered.
-    let through = std::mem::replace(&mut w.through_next, commit);
-    if !through && appends && frame_part {
-        if w.gathered.len() + bytes.len() > MAX_GATHERED {
-            let rc = flush(w);
-            if rc != ffi::SQLITE_OK {
-                return rc;
+    // SAFETY: the contract above.
+    unsafe {
+        let w = wal(file);
+        let bytes = std::slice::from_raw_parts(data as *const u8, amount.max(0) as usize);
+        let end = w.start + w.gathered.len() as i64;
+        let appends = w.gathered.is_empty() || offset == end;
+        let frame_part =
+            bytes.len() == FRAME_HEADER || bytes.len().is_power_of_two() && bytes.len() >= 512;
+        let commit = bytes.len() == FRAME_HEADER && bytes[4..8] != [0; 4];
+        // A commit frame's page goes straight through whichever way its header went: nothing
+        // written before the commit returns may stay gathered.
+        let through = std::mem::replace(&mut w.through_next, commit);
+        if !through && appends && frame_part {
+            if w.gathered.len() + bytes.len() > MAX_GATHERED {
+                let rc = flush(w);
+                if rc != ffi::SQLITE_OK {
+                    return rc;
+                }
             }
+            if w.gathered.is_empty() {
+                w.start = offset;
+            }
+            w.gathered.extend_from_slice(bytes);
+            if !commit {
+                return ffi::SQLITE_OK;
+            }
+            // The commit frame: out now, with everything before it.
+            return flush(w);
         }
-        if w.gathered.is_empty() {
-            w.start = offset;
+        let rc = flush(w);
+        if rc != ffi::SQLITE_OK {
+            return rc;
         }
-        w.gathered.extend_from_slice(bytes);
-        if !commit {
-            return ffi::SQLITE_OK;
+        match methods(w).xWrite {
+            Some(f) => f(w.inner, data, amount, offset),
+            None => ffi::SQLITE_IOERR_WRITE,
         }
-        // The commit frame: out now, with everything before it.
-        return flush(w);
-    }
-    let rc = flush(w);
-    if rc != ffi::SQLITE_OK {
-        return rc;
-    }
-    match methods(w).xWrite {
-        Some(f) => f(w.inner, data, amount, offset),
-        None => ffi::SQLITE_IOERR_WRITE,
     }
 }
 
+/// `xClose`: flushes, closes the unix VFS file, frees its memory and the [`WalFile`].
+///
+/// # Safety
+/// Called by SQLite only, once, on a file [`open`] made a [`WalFile`]; no method is called on it
+/// after.
 unsafe extern "C" fn close(file: *mut ffi::sqlite3_file) -> c_int {
-    let w = wal(file);
-    let flushed = flush(w);
-    let rc = match methods(w).xClose {
-        Some(f) => f(w.inner),
-        None => ffi::SQLITE_OK,
-    };
-    free_inner(w.inner, w.inner_words);
-    std::ptr::drop_in_place(w as *mut WalFile);
-    (*file).pMethods = std::ptr::null();
-    if flushed != ffi::SQLITE_OK {
-        flushed
-    } else {
-        rc
+    // SAFETY: the contract above: nothing uses `w` or its inner file after this.
+    unsafe {
+        let w = wal(file);
+        let flushed = flush(w);
+        let rc = match methods(w).xClose {
+            Some(f) => f(w.inner),
+            None => ffi::SQLITE_OK,
+        };
+        free_inner(w.inner, w.inner_words);
+        std::ptr::drop_in_place(w as *mut WalFile);
+        (*file).pMethods = std::ptr::null();
+        if flushed != ffi::SQLITE_OK {
+            flushed
+        } else {
+            rc
+        }
     }
 }
 
 /// The forwarding methods: those that observe or change the file flush first.
 macro_rules! forward {
     ($name:ident, $field:ident, flush, ($($arg:ident: $ty:ty),*), $missing:expr) => {
+        /// # Safety
+        /// Called by SQLite only, on a file [`open`] made a [`WalFile`], with arguments as the
+        /// unix VFS's method takes them.
         unsafe extern "C" fn $name(file: *mut ffi::sqlite3_file, $($arg: $ty),*) -> c_int {
-            let w = wal(file);
-            let rc = flush(w);
-            if rc != ffi::SQLITE_OK {
-                return rc;
-            }
-            match methods(w).$field {
-                Some(f) => f(w.inner, $($arg),*),
-                None => $missing,
+            // SAFETY: the contract above; the arguments go to the unix VFS's own method.
+            unsafe {
+                let w = wal(file);
+                let rc = flush(w);
+                if rc != ffi::SQLITE_OK {
+                    return rc;
+                }
+                match methods(w).$field {
+                    Some(f) => f(w.inner, $($arg),*),
+                    None => $missing,
+                }
             }
         }
     };
     ($name:ident, $field:ident, ($($arg:ident: $ty:ty),*), $missing:expr) => {
+        /// # Safety
+        /// Called by SQLite only, on a file [`open`] made a [`WalFile`], with arguments as the
+        /// unix VFS's method takes them.
         unsafe extern "C" fn $name(file: *mut ffi::sqlite3_file, $($arg: $ty),*) -> c_int {
-            let w = wal(file);
-            match methods(w).$field {
-                Some(f) => f(w.inner, $($arg),*),
-                None => $missing,
+            // SAFETY: the contract above; the arguments go to the unix VFS's own method.
+            unsafe {
+                let w = wal(file);
+                match methods(w).$field {
+                    Some(f) => f(w.inner, $($arg),*),
+                    None => $missing,
+                }
             }
         }
     };
@@ -273,10 +335,17 @@ forward!(shm_unmap, xShmUnmap, (delete: c_int), ffi::SQLITE_OK);
 forward!(fetch, xFetch, (offset: ffi::sqlite3_int64, amount: c_int, out: *mut *mut c_void), ffi::SQLITE_OK);
 forward!(unfetch, xUnfetch, (offset: ffi::sqlite3_int64, page: *mut c_void), ffi::SQLITE_OK);
 
+/// `xShmBarrier`, forwarded.
+///
+/// # Safety
+/// Called by SQLite only, on a file [`open`] made a [`WalFile`].
 unsafe extern "C" fn shm_barrier(file: *mut ffi::sqlite3_file) {
-    let w = wal(file);
-    if let Some(f) = methods(w).xShmBarrier {
-        f(w.inner)
+    // SAFETY: the contract above.
+    unsafe {
+        let w = wal(file);
+        if let Some(f) = methods(w).xShmBarrier {
+            f(w.inner)
+        }
     }
 }
 
