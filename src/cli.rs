@@ -98,6 +98,15 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if !matches!(cli.command, Command::Serve) {
+        // A command whose output is piped into `head` ends quietly when the pipe closes, as
+        // other tools do (Rust ignores SIGPIPE, and `println!` would panic on the error). The
+        // server keeps ignoring it: a client that hangs up must not stop it.
+        // SAFETY: restoring a signal's default disposition touches no memory of ours.
+        unsafe {
+            libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        }
+    }
     let result = match cli.command {
         Command::Check => check(&config),
         Command::Explain {
@@ -148,8 +157,13 @@ fn check(config: &Config) -> anyhow::Result<()> {
     for u in &config.upstreams {
         let at = u.prefix.as_deref().unwrap_or("-");
         println!(
-            "upstream {}: {}://{}{} prefix={at} unmatched={:?} error_format={:?}",
-            u.name, u.scheme, u.authority, u.base_path, u.unmatched, u.error_format
+            "upstream {}: {}://{}{} prefix={at} unmatched={} error_format={}",
+            u.name,
+            u.scheme,
+            u.authority,
+            u.base_path,
+            u.unmatched.as_str(),
+            u.error_format.as_str()
         );
     }
     for r in &config.routes {

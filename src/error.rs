@@ -146,6 +146,16 @@ pub enum ErrorFormat {
 }
 
 impl ErrorFormat {
+    /// As the config spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorFormat::Idemproxy => "idemproxy",
+            ErrorFormat::Stripe => "stripe",
+            ErrorFormat::Hubspot => "hubspot",
+            ErrorFormat::Zendesk => "zendesk",
+        }
+    }
+
     pub fn parse(s: &str) -> Option<ErrorFormat> {
         Some(match s {
             "idemproxy" => ErrorFormat::Idemproxy,

@@ -119,7 +119,8 @@ pub fn explain(
         (KeySource::Header, _) => "from the client's header",
         (KeySource::Derived, None) => "derived",
         (KeySource::Derived, Some(w)) => {
-            window = format!("derived from the intent alone: a retry for {w:?} after its answer");
+            let w = crate::config::units::show_duration(w);
+            window = format!("derived from the intent alone: a retry for {w} after its answer");
             window.as_str()
         }
     };
@@ -210,8 +211,8 @@ pub fn explain(
     }
     let _ = writeln!(
         w,
-        "outcome:     protected: replay if stored with this fingerprint, else lock the entities, reserve the key, forward once (in_flight = {:?})",
-        route.in_flight
+        "outcome:     protected: replay if stored with this fingerprint, else lock the entities, reserve the key, forward once (in_flight = {})",
+        route.in_flight.as_str()
     );
     Ok(out)
 }

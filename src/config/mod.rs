@@ -116,6 +116,27 @@ pub enum Unmatched {
     Reject,
 }
 
+impl Unmatched {
+    /// As the config spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unmatched::Protect => "protect",
+            Unmatched::Passthrough => "passthrough",
+            Unmatched::Reject => "reject",
+        }
+    }
+}
+
+impl InFlight {
+    /// As the config spells it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            InFlight::Wait => "wait",
+            InFlight::Reject => "reject",
+        }
+    }
+}
+
 #[derive(Debug)]
 pub struct Upstream {
     pub name: String,
@@ -421,7 +442,8 @@ impl Route {
             (None, true) => "none".into(),
         };
         if let Some(w) = self.key.window {
-            key.push_str(&format!("; intent-only keys a retry within {w:?}"));
+            let w = units::show_duration(w);
+            key.push_str(&format!("; intent-only keys a retry within {w}"));
         }
         let required = if self.key.required {
             "required"
@@ -436,13 +458,13 @@ impl Route {
             reconcile.push_str(&format!(" stamp=body.{field}"));
         }
         format!(
-            "{}: upstream={} methods={} path={} entity={} key=[{key}] ({required}) in_flight={:?} mode={}{reconcile}",
+            "{}: upstream={} methods={} path={} entity={} key=[{key}] ({required}) in_flight={} mode={}{reconcile}",
             self.name,
             self.upstream,
             methods.join(","),
             self.path_text,
             self.entity.as_ref().map(|t| t.text()).unwrap_or("-"),
-            self.in_flight,
+            self.in_flight.as_str(),
             self.mode.as_str()
         )
     }

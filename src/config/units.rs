@@ -3,6 +3,24 @@
 
 use std::time::Duration;
 
+/// A duration as the config would write it: the largest unit it is a whole number of
+/// (`"15m"`, `"24h"`, `"250ms"`).
+pub fn show_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    let units: [(u128, &str); 4] = [
+        (86_400_000, "d"),
+        (3_600_000, "h"),
+        (60_000, "m"),
+        (1_000, "s"),
+    ];
+    for (size, unit) in units {
+        if ms >= size && ms.is_multiple_of(size) {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
 /// Parses `"250ms"`, `"30s"`, `"10m"`, `"24h"`, `"7d"` (one number, one unit).
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
@@ -103,6 +121,18 @@ pub fn expand_env(s: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_shown_as_written() {
+        assert_eq!(show_duration(Duration::from_secs(900)), "15m");
+        assert_eq!(show_duration(Duration::from_secs(86_400)), "1d");
+        assert_eq!(show_duration(Duration::from_millis(1_500)), "1500ms");
+        assert_eq!(show_duration(Duration::from_secs(90)), "90s");
+        assert_eq!(
+            parse_duration(&show_duration(Duration::from_secs(7_200))).unwrap(),
+            Duration::from_secs(7_200)
+        );
+    }
 
     #[test]
     fn durations() {
