@@ -70,7 +70,7 @@ impl ServerConfig {
     /// runtime workers it woke the other one, and a lone first write on SQLite took 60–90 µs
     /// longer; connection threads beside one worker served 15% more concurrent first writes on
     /// SQLite and 10% more on PostgreSQL, and a lone client's on PostgreSQL 8% faster
-    /// (docs/benchmark.md, seventeenth session).
+    /// (docs/benchmark.md).
     pub fn connection_threads_for(&self, cores: usize) -> usize {
         self.serving(cores) - 1
     }

@@ -220,7 +220,7 @@ impl PgStore {
         // queued behind: a lone client's first write waited for two flushes, not one. A larger
         // batch (concurrent first writes) waits for its flush, which it shares with the
         // reservations' flushes, while the next batch gathers; committed lazily, batches
-        // shrank, and first writes/s at 64 connections fell by 5% (twelfth session).
+        // shrank, and first writes/s at 64 connections fell by 5%.
         let answered = outcomes(&pool, &clock, batched::Commit::Lazy);
         // Takes as many in flight as reservations, releases one batch at a time: connections
         // of the lazy pool that its kept connections leave for them.
