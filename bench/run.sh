@@ -24,7 +24,7 @@
 # once (~4k times a second at 64 connections); nginx, one process serving both the baseline
 # proxy and its upstream, is hit far less. In production the clients are not on the proxy's
 # cores, so this shows what the co-located load generator costs; the issue's table is measured
-# with the default policy (see docs/benchmark.md, sixteenth session).
+# with the default policy (see docs/benchmark.md, "Rules").
 # STORE_EXTRA adds lines to both proxies' [store] table, e.g.
 #   STORE_EXTRA="encryption_key = \"$(openssl rand -base64 32)\"" bench/run.sh
 # to measure with stored answers encrypted.

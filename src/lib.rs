@@ -29,13 +29,12 @@
 //!   encryption key, or SQLite's generated `.secret` file).
 //! - [`locks`]: in-process one-holder/many-waiters locks for keys and entities.
 //! - [`store`]: the durable store: four small interfaces by concern (keys, entity locks,
-//!   entity states, audit), SQLite (one process; a writer thread with group commit, its
-//!   fsync pipelined on a thread of its own: `store::sqlite::durable`, each commit's WAL
-//!   frames written in one call: `store::sqlite::walbuf`, the request path's reads on the
-//!   caller's thread: `store::sqlite::reader`, outcomes nobody waits on taken into the next
-//!   batch without waking the writer: `store::sqlite::deferred`, the writer watching its
-//!   queue before it blocks when that pays, under light load: `store::sqlite::writer_pace`)
-//!   and PostgreSQL (replicas,
+//!   entity states, audit), SQLite (one process; its writes run by an engine that knows no
+//!   tables, `store::sqlite::engine` — a writer thread with group commit, its fsync
+//!   pipelined on a thread of its own, each commit's WAL frames written in one call,
+//!   outcomes nobody waits on taken into the next batch, its pace set by the load — and the
+//!   request path's reads on the caller's thread, `store::sqlite::reader`) and PostgreSQL
+//!   (replicas,
 //!   leases, NOTIFY; statements batched, `store::postgres::batch` — entity leases too,
 //!   `store::postgres::leases` — and on connections kept between them,
 //!   `store::postgres::kept`) backends, the replay cache as a layer in front of either

@@ -134,7 +134,7 @@ pub(super) async fn record(ctx: &mut Ctx, finish: Finish) {
 /// [`record`] of an answer already given, when nothing but the key's slot is held: the store
 /// takes the outcome without this task waiting for it, and the slot is let go once it is
 /// stored, wherever the store hears of that (SQLite: the writer's thread, see
-/// `store::sqlite::deferred`). `Some`: the store handed the write back, to be awaited here.
+/// `store::sqlite::engine::deferred`). `Some`: the store handed the write back, to be awaited here.
 fn record_later(ctx: &mut Ctx, finish: Finish) -> Option<crate::store::Pending> {
     let (stats, id, slot) = (ctx.state.stats.clone(), ctx.p.id.clone(), ctx.slot.take());
     let then = Box::new(move |stored| {

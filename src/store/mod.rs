@@ -218,7 +218,7 @@ pub trait Keys: Send + Sync + 'static {
     /// [`Keys::finish`] of an outcome whose caller was already answered from the replay cache
     /// (see [`Keys::remember`]): nobody acts on it being durable, so a store may return once
     /// it is committed — visible to every reader — and sync it shortly after (SQLite: see
-    /// `sqlite::writer::Heard`). A crash before that sync leaves the key unknown, as a crash
+    /// `sqlite::engine::job::Heard`). A crash before that sync leaves the key unknown, as a crash
     /// before the commit would; never forwarded twice.
     async fn finish_answered(
         &self,

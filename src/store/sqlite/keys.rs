@@ -3,8 +3,8 @@
 //! record on the caller's thread ([`super::reader`]), the operator's listings from the read
 //! pool.
 
+use super::engine::job::{Ctx, Heard};
 use super::entities::apply_effects;
-use super::job::{Ctx, Heard};
 use super::*;
 use rusqlite::{params, OptionalExtension};
 

@@ -13,25 +13,21 @@
 //! `in_flight` at start was left by a dead process: it becomes `unknown` at once.
 
 mod audit;
-mod deferred;
-mod durable;
+mod engine;
 mod entities;
-mod job;
 mod keys;
 mod meta;
 mod reader;
 mod releases;
-mod walbuf;
-mod writer;
-mod writer_pace;
 
 use super::codec::encode_entities;
 use super::*;
+use engine::writer::Writer;
+use engine::{durable, walbuf};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::SqlitePool;
 use std::str::FromStr;
 use std::sync::Arc;
-use writer::Writer;
 
 use super::rows::{
     self, AUDIT_COLUMNS_SQLITE as AUDIT_COLUMNS, ENTITY_COLUMNS, KEY_COLUMNS_SQLITE as KEY_COLUMNS,

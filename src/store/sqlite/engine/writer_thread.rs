@@ -2,9 +2,9 @@
 //! [`super::super::deferred`], the linger), and the batch run in one transaction.
 
 use super::{Ctx, Heard, Job, Linger, Msg, MAX_BATCH};
-use crate::store::sqlite::deferred::Deferred;
-use crate::store::sqlite::durable::{Delivery, Syncer};
-use crate::store::sqlite::writer_pace::{Pace, Ran};
+use crate::store::sqlite::engine::deferred::Deferred;
+use crate::store::sqlite::engine::durable::{Delivery, Syncer};
+use crate::store::sqlite::engine::pace::{Pace, Ran};
 use crate::store::SharedCipher;
 use rusqlite::Connection;
 use std::sync::Arc;

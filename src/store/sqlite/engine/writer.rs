@@ -90,7 +90,7 @@ impl Writer {
         cipher: SharedCipher,
         syncer: Option<Syncer>,
     ) -> StoreResult<Writer> {
-        let pace = super::writer_pace::Pace::default();
+        let pace = super::pace::Pace::default();
         Writer::lingering(conn, cipher, syncer, Linger::WhileSyncing(LINGER), pace)
     }
 
@@ -101,7 +101,7 @@ impl Writer {
         cipher: SharedCipher,
         syncer: Option<Syncer>,
         linger: Linger,
-        pace: super::writer_pace::Pace,
+        pace: super::pace::Pace,
     ) -> StoreResult<Writer> {
         let (tx, rx) = flume::bounded(8192);
         let deferred = Arc::new(Deferred::default());

@@ -8,14 +8,14 @@ use std::task::{Context, Poll, Waker};
 /// A writer on a fresh database with one table, and the database's path; with `syncing`, a
 /// syncer on its WAL, idle (nothing is waiting for it).
 fn writer_with(linger: Linger, syncing: bool) -> (tempfile::TempDir, std::path::PathBuf, Writer) {
-    writer_pacing(linger, syncing, super::super::writer_pace::Pace::default())
+    writer_pacing(linger, syncing, super::super::pace::Pace::default())
 }
 
 /// [`writer_with`], its queue watched before blocking as `pace` says.
 fn writer_pacing(
     linger: Linger,
     syncing: bool,
-    pace: super::super::writer_pace::Pace,
+    pace: super::super::pace::Pace,
 ) -> (tempfile::TempDir, std::path::PathBuf, Writer) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("w.db");
@@ -220,7 +220,7 @@ async fn closing_commits_outcomes_handed_over_and_refuses_later_ones() {
 /// job as a blocked one would: an outcome handed over, a write, the close, none lost.
 #[tokio::test]
 async fn a_spinning_writer_misses_nothing() {
-    let pace = super::super::writer_pace::Pace::spinning(Duration::from_secs(3600));
+    let pace = super::super::pace::Pace::spinning(Duration::from_secs(3600));
     let linger = Linger::WhileSyncing(Duration::from_secs(3600));
     let (_dir, path, w) = writer_pacing(linger, true, pace);
     // Parked: it owes nothing and watches its queue (an hour's spin, so not blocked on it).
