@@ -1,6 +1,6 @@
 //! Raw TOML → validated [`Config`]. Collects every error with its `file:line:col`.
 
-use super::ctx::Ctx;
+use super::compiler::Compiler;
 use super::raw::*;
 use super::routes::route;
 use super::store::store;
@@ -16,7 +16,7 @@ pub(super) fn compile(
 ) -> Result<Config, ConfigError> {
     let raw: RawConfig = toml::from_str(text).map_err(|e| {
         let span = e.span().unwrap_or(0..0);
-        let ctx = Ctx {
+        let ctx = Compiler {
             text,
             origin,
             env,
@@ -26,7 +26,7 @@ pub(super) fn compile(
             errors: vec![format!("{}: {}", ctx.at(span), e.message())],
         }
     })?;
-    let mut cx = Ctx {
+    let mut cx = Compiler {
         text,
         origin,
         env,
@@ -64,7 +64,7 @@ pub(super) fn compile(
     }
 }
 
-fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
+fn server(cx: &mut Compiler, raw: &RawServer) -> ServerConfig {
     let default_listen = SocketAddr::from(([127, 0, 0, 1], 8080));
     let listen = raw
         .listen
@@ -89,7 +89,7 @@ fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
             .and_then(|s| parse_size(&s).map_err(|e| cx.err(v.span(), e)).ok())
             .unwrap_or(1 << 20),
     };
-    let size = |cx: &mut Ctx, v: &Option<Str>, default: usize| match v {
+    let size = |cx: &mut Compiler, v: &Option<Str>, default: usize| match v {
         None => default,
         Some(v) => cx
             .s(v)
@@ -97,7 +97,7 @@ fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
             .unwrap_or(default),
     };
     let max_answer = size(cx, &raw.max_answer, DEFAULT_MAX_ANSWER);
-    let count = |cx: &mut Ctx, v: &Option<Spanned<i64>>, default: usize| match v {
+    let count = |cx: &mut Compiler, v: &Option<Spanned<i64>>, default: usize| match v {
         None => default,
         Some(n) => usize::try_from(*n.get_ref()).unwrap_or_else(|_| {
             cx.err(n.span(), "must be 0 or more");
@@ -143,7 +143,7 @@ fn server(cx: &mut Ctx, raw: &RawServer) -> ServerConfig {
 pub const DEFAULT_MAX_ANSWER: usize = 10 << 20;
 
 fn upstreams(
-    cx: &mut Ctx,
+    cx: &mut Compiler,
     raw: &BTreeMap<String, Spanned<RawUpstream>>,
     routes: &[Arc<Route>],
     server: &ServerConfig,

@@ -6,7 +6,7 @@
 //! `file:line:col: message`, all of them at once.
 
 pub(super) mod compile;
-mod ctx;
+mod compiler;
 pub mod raw;
 mod routes;
 mod side_reads;

@@ -1,7 +1,7 @@
 //! Compiling one `[[routes]]` entry: methods, path pattern, templates checked against what the
 //! route can provide, key rule, fingerprint rule, ordered-persistence fields, precheck.
 
-use super::ctx::Ctx;
+use super::compiler::Compiler;
 use super::raw::*;
 use super::side_reads::{precheck, reconcile};
 use super::*;
@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use toml::Spanned;
 
 pub(super) fn route(
-    cx: &mut Ctx,
+    cx: &mut Compiler,
     sp: &Spanned<RawRoute>,
     upstreams: &BTreeMap<String, Spanned<RawUpstream>>,
     store_retention: Duration,
@@ -56,7 +56,11 @@ pub(super) fn route(
     let captures: Vec<String> = path.captures().map(str::to_owned).collect();
 
     // Every template is checked against what this route can provide.
-    let mut check = |cx: &mut Ctx, field: &str, v: &Str, allow_entity: bool, allow_fp: bool| {
+    let mut check = |cx: &mut Compiler,
+                     field: &str,
+                     v: &Str,
+                     allow_entity: bool,
+                     allow_fp: bool| {
         let t = cx.template(v)?;
         for src in t.sources() {
             let problem = match src {
@@ -317,7 +321,7 @@ pub fn intent_only(t: &Template) -> bool {
 }
 
 /// `derive = "…"` or `derive = ["…", "…"]`, each given the setting's span.
-fn derive_list(cx: &mut Ctx, name: &str, d: &Spanned<toml::Value>) -> Vec<Str> {
+fn derive_list(cx: &mut Compiler, name: &str, d: &Spanned<toml::Value>) -> Vec<Str> {
     let span = d.span();
     let one = |v: &toml::Value| v.as_str().map(|s| Spanned::new(span.clone(), s.to_owned()));
     let list: Option<Vec<Str>> = match d.get_ref() {

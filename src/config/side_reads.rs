@@ -2,16 +2,17 @@
 //! and the reconcile, when a write's answer was lost. Both are GET/HEAD reads with a path
 //! template over the original request and expectations on the answer's JSON body.
 
-use super::ctx::Ctx;
+use super::compiler::Compiler;
 use super::raw::*;
 use super::*;
 use crate::template::Source;
 use toml::Spanned;
 
-pub(super) type Check<'a> = dyn FnMut(&mut Ctx, &str, &Str, bool, bool) -> Option<Template> + 'a;
+pub(super) type Check<'a> =
+    dyn FnMut(&mut Compiler, &str, &Str, bool, bool) -> Option<Template> + 'a;
 
 pub(super) fn precheck(
-    cx: &mut Ctx,
+    cx: &mut Compiler,
     name: &str,
     sp: &Spanned<RawPrecheck>,
     check: &mut Check,
@@ -49,7 +50,7 @@ pub(super) fn precheck(
 
 /// `ignored`: the route's `fingerprint.ignore`, which an expectation must not depend on.
 pub(super) fn reconcile(
-    cx: &mut Ctx,
+    cx: &mut Compiler,
     name: &str,
     sp: &Spanned<RawReconcile>,
     check: &mut Check,
@@ -131,7 +132,7 @@ pub(super) fn reconcile(
 /// each retry another question (and a create might be sent twice). One that *contains* ignored
 /// fields (`{body.properties}` with `body.properties.last_synced_at` ignored) leaves them out.
 fn expected(
-    cx: &mut Ctx,
+    cx: &mut Compiler,
     name: &str,
     t: Template,
     ignored: &[BodyPath],
@@ -163,7 +164,7 @@ fn expected(
 /// long, so a typo like `"2h"` for `"2s"` is refused rather than stalling the entity.
 const MAX_AFTER: Duration = Duration::from_secs(600);
 
-fn reconcile_after(cx: &mut Ctx, name: &str, after: &Option<Str>) -> Duration {
+fn reconcile_after(cx: &mut Compiler, name: &str, after: &Option<Str>) -> Duration {
     let d = cx.dur(after, Duration::from_secs(1));
     if d > MAX_AFTER {
         let span = after.as_ref().map(|a| a.span()).unwrap_or(0..0);
@@ -190,7 +191,7 @@ impl Reconcile {
 
 /// GET unless said otherwise, or HEAD: these reads must change nothing and answer with the
 /// resource (OPTIONS and TRACE say nothing of it).
-fn read_method(cx: &mut Ctx, name: &str, what: &str, m: &Option<Str>) -> Option<Method> {
+fn read_method(cx: &mut Compiler, name: &str, what: &str, m: &Option<Str>) -> Option<Method> {
     let Some(m) = m else {
         return Some(Method::GET);
     };
@@ -210,7 +211,7 @@ fn read_method(cx: &mut Ctx, name: &str, what: &str, m: &Option<Str>) -> Option<
 /// A HEAD answer has no body: expectations on it could never hold (on a reconcile, every
 /// write would count as not found and be sent again).
 fn no_body_to_check(
-    cx: &mut Ctx,
+    cx: &mut Compiler,
     name: &str,
     what: &str,
     method: &Method,
@@ -226,7 +227,7 @@ fn no_body_to_check(
 }
 
 /// A list of HTTP statuses; `None` when absent.
-fn statuses(cx: &mut Ctx, v: &Option<Vec<Spanned<i64>>>) -> Option<Vec<u16>> {
+fn statuses(cx: &mut Compiler, v: &Option<Vec<Spanned<i64>>>) -> Option<Vec<u16>> {
     let given: Vec<u16> = v
         .iter()
         .flatten()
@@ -243,7 +244,7 @@ fn statuses(cx: &mut Ctx, v: &Option<Vec<Spanned<i64>>>) -> Option<Vec<u16>> {
 
 /// An `expect` key: a `body.*` field.
 fn body_field(
-    cx: &mut Ctx,
+    cx: &mut Compiler,
     what: &str,
     field: &str,
     value: &Spanned<toml::Value>,
@@ -265,7 +266,7 @@ fn body_field(
 }
 
 /// `reconcile.answer`: TOML as JSON, its `"{read}"` / `"{read.X}"` strings checked.
-fn answer(cx: &mut Ctx, name: &str, a: &Spanned<toml::Value>) -> Option<serde_json::Value> {
+fn answer(cx: &mut Compiler, name: &str, a: &Spanned<toml::Value>) -> Option<serde_json::Value> {
     let json = serde_json::to_value(a.get_ref()).ok()?;
     let mut bad = Vec::new();
     crate::shape::visit_reads(&json, &mut |p| {

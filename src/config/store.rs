@@ -1,7 +1,7 @@
 //! `[store]`, compiled: the URL, retention and lease, the scope secret, and the encryption
 //! keys (decoded once into a [`Cipher`]; their text is never repeated in an error).
 
-use super::ctx::Ctx;
+use super::compiler::Compiler;
 use super::raw::{RawStore, Str};
 use super::*;
 use crate::store::seal::{self, Cipher, KEY_LEN};
@@ -9,7 +9,7 @@ use crate::store::seal::{self, Cipher, KEY_LEN};
 /// Shortest `store.lease` accepted.
 const MIN_LEASE: Duration = Duration::from_millis(500);
 
-pub(super) fn store(cx: &mut Ctx, raw: &RawStore) -> StoreConfig {
+pub(super) fn store(cx: &mut Compiler, raw: &RawStore) -> StoreConfig {
     let url = match (cx.env)("IDEMPROXY_STORE_URL").filter(|s| !s.is_empty()) {
         Some(url) => url,
         None => raw
@@ -73,7 +73,7 @@ pub(super) fn store(cx: &mut Ctx, raw: &RawStore) -> StoreConfig {
 /// `encryption_key` and `encryption_keys_previous` as a [`Cipher`]; `None` when the current
 /// key is absent or empty (`"${IDEMPROXY_ENCRYPTION_KEY:-}"` unset). Empty previous entries
 /// are skipped, so an unset `"${OLD_KEY:-}"` is no error.
-fn encryption(cx: &mut Ctx, raw: &RawStore) -> Option<Arc<Cipher>> {
+fn encryption(cx: &mut Compiler, raw: &RawStore) -> Option<Arc<Cipher>> {
     let current = raw
         .encryption_key
         .as_ref()
@@ -115,7 +115,7 @@ fn encryption(cx: &mut Ctx, raw: &RawStore) -> Option<Arc<Cipher>> {
 
 /// One key: `Some(None)` when empty (off), `Some(Some(key))` when valid, `None` after an
 /// error was recorded (which names the setting, never the value).
-fn key(cx: &mut Ctx, v: &Str, what: &str) -> Option<Option<[u8; KEY_LEN]>> {
+fn key(cx: &mut Compiler, v: &Str, what: &str) -> Option<Option<[u8; KEY_LEN]>> {
     let text = cx.s(v)?;
     if text.trim().is_empty() {
         return Some(None);

@@ -16,7 +16,7 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<()> {
     run(
         store,
         &ctx.route,
-        &ctx.p,
+        &ctx.prepared,
         &ctx.client,
         &ctx.outgoing.headers,
     )

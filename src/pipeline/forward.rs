@@ -4,7 +4,7 @@
 
 use super::Ctx;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
-use crate::upstream::{call, full, request_headers, Outcome, ProxyBody, Target, UpstreamClient};
+use crate::upstream::{call, full, request_headers, Called, ProxyBody, Target, UpstreamClient};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request};
 use std::time::Duration;
@@ -84,11 +84,11 @@ impl Outgoing {
 
 /// Step 6: the call, timed, counted in flight, the key's lease renewed every third of it; a
 /// stamped route's body carries the stamp.
-pub(super) async fn step(ctx: &mut Ctx) -> Outcome {
-    if let Some(field) = ctx.route.stamp.as_ref().filter(|_| ctx.p.stamped) {
+pub(super) async fn step(ctx: &mut Ctx) -> Called {
+    if let Some(field) = ctx.route.stamp.as_ref().filter(|_| ctx.prepared.stamped) {
         let stamp = ctx.stamp();
         if let Err(e) = ctx.outgoing.stamp(field, stamp) {
-            return Outcome::NotSent(e.message);
+            return Called::NotSent(e.message);
         }
     }
     timed(ctx, true).await
@@ -101,7 +101,7 @@ impl Ctx {
     /// finds this action's object and never an earlier one's.
     pub(super) fn stamp(&self) -> String {
         use sha2::{Digest, Sha256};
-        let id = &self.p.id;
+        let id = &self.prepared.id;
         let mut h = Sha256::new();
         for part in [&id.upstream, &id.scope, &id.key] {
             h.update((part.len() as u64).to_be_bytes());
@@ -115,11 +115,11 @@ impl Ctx {
 }
 
 /// Step 6 without a reservation to renew (observe mode, when the key was not ours).
-pub(super) async fn plain(ctx: &mut Ctx) -> Outcome {
+pub(super) async fn plain(ctx: &mut Ctx) -> Called {
     timed(ctx, false).await
 }
 
-async fn timed(ctx: &mut Ctx, renewing: bool) -> Outcome {
+async fn timed(ctx: &mut Ctx, renewing: bool) -> Called {
     let started = Instant::now();
     let outcome = {
         let _in_flight = ctx.state.stats.on_forward();
@@ -132,7 +132,7 @@ async fn timed(ctx: &mut Ctx, renewing: bool) -> Outcome {
     outcome
 }
 
-async fn call_renewing(ctx: &Ctx) -> Outcome {
+async fn call_renewing(ctx: &Ctx) -> Called {
     let call = call::call(&ctx.client, ctx.outgoing.request(), ctx.upstream.timeout);
     renewing(ctx, call).await
 }
@@ -154,7 +154,7 @@ pub(super) async fn renewing<F: std::future::Future>(ctx: &Ctx, work: F) -> F::O
 /// Extends the key's lease (the entity leases renew themselves, see `StoreLeases`); failures
 /// are logged (the call goes on: it cannot be taken back).
 async fn renew(ctx: &Ctx, lease: Duration) {
-    let (state, id) = (&ctx.state, &ctx.p.id);
+    let (state, id) = (&ctx.state, &ctx.prepared.id);
     match state.store.renew(id, ctx.epoch, lease).await {
         Ok(true) => {}
         Ok(false) => {

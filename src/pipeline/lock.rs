@@ -31,10 +31,10 @@ async fn lock(ctx: &Ctx) -> ProxyResult<Locked> {
     let left = || deadline.saturating_duration_since(Instant::now());
     let guards = state
         .entity_locks
-        .lock_all(&ctx.p.entities, left())
+        .lock_all(&ctx.prepared.entities, left())
         .await
         .map_err(|_| entity_busy(&ctx.route))?;
-    if ctx.p.entities.is_empty() {
+    if ctx.prepared.entities.is_empty() {
         return Ok((guards, None));
     }
     // Taken in a task of its own and handed over as a guard: if this request is cancelled
@@ -42,7 +42,7 @@ async fn lock(ctx: &Ctx) -> ProxyResult<Locked> {
     // instead of leaving the entities locked until the leases run out.
     let (tx, rx) = oneshot::channel();
     let (store, owner) = (state.store.clone(), state.owner.clone());
-    let entities = ctx.p.entities.clone();
+    let entities = ctx.prepared.entities.clone();
     let (lease, timeout) = (state.config.store.lease, left());
     tokio::spawn(async move {
         let asked = Instant::now();

@@ -45,15 +45,15 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
     if ctx.slot.is_none() {
         // A completed key replays at once, with no lock — concurrent replays of one key never
         // queue behind each other — and, when cached, with no store read.
-        if let Some(hit) = ctx.state.store.cached(&ctx.p.id) {
-            if hit.fingerprint == ctx.p.fingerprint {
+        if let Some(hit) = ctx.state.store.cached(&ctx.prepared.id) {
+            if hit.fingerprint == ctx.prepared.fingerprint {
                 return Ok(Found::Replay(hit.response.clone()));
             }
             return Err(key_reused());
         }
         let mut record = match reservation_looks_up(ctx) {
             true => None,
-            false => get(ctx, &ctx.p.id).await?,
+            false => get(ctx, &ctx.prepared.id).await?,
         };
         if record.is_none() && ctx.legacy_scope.is_some() {
             record = adopt_legacy_scope(ctx).await?;
@@ -90,7 +90,7 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
         }
         let record = match fresh.take() {
             Some(record) => record,
-            None => get(ctx, &ctx.p.id).await?,
+            None => get(ctx, &ctx.prepared.id).await?,
         };
         match decide(ctx, record.as_ref())? {
             Decision::Replay(stored) => return Ok(Found::Replay(stored)),
@@ -119,7 +119,7 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
 /// does not hold would find its slot taken before anything read the key, and be refused
 /// instead of replayed.
 fn reservation_looks_up(ctx: &Ctx) -> bool {
-    ctx.p.entities.is_empty()
+    ctx.prepared.entities.is_empty()
         && ctx.route.precheck.is_none()
         && ctx.route.in_flight != InFlight::Reject
         && ctx.legacy_scope.is_none()
@@ -131,7 +131,7 @@ async fn get(ctx: &Ctx, id: &ScopedKey) -> ProxyResult<Option<KeyRecord>> {
 
 /// The key's local slot: `true` when it was free at once.
 async fn take_slot(ctx: &mut Ctx) -> ProxyResult<bool> {
-    let id = &ctx.p.id;
+    let id = &ctx.prepared.id;
     let name = id.joined("");
     let locks = &ctx.state.key_locks;
     let (slot, immediate) = match locks.lock(&name, None).await {
@@ -156,7 +156,7 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
         });
     };
     let state = rec.effective_state(now_ms());
-    if state != KeyState::Released && rec.fingerprint != ctx.p.fingerprint {
+    if state != KeyState::Released && rec.fingerprint != ctx.prepared.fingerprint {
         return Err(key_reused());
     }
     let native = ctx.upstream.native_idempotency_header.is_some();
@@ -208,9 +208,9 @@ async fn wait_foreign(
     // Subscribed before the watch, which reads the record again: a completion in another
     // replica either sees the watch (and notifies us, subscribed by then) or came first (and
     // the watch finds the key settled). Not before every read: most requests never wait.
-    let woken = store.subscribe_key(&ctx.p.id);
+    let woken = store.subscribe_key(&ctx.prepared.id);
     if !store
-        .watch_key(&ctx.p.id, epoch)
+        .watch_key(&ctx.prepared.id, epoch)
         .await
         .map_err(ProxyError::store)?
     {
@@ -238,7 +238,7 @@ async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<Option<KeyRecord>> {
     let Some((scope, uncovered)) = ctx.legacy_scope.clone() else {
         return Ok(None);
     };
-    let old = ctx.p.id.with_scope(scope);
+    let old = ctx.prepared.id.with_scope(scope);
     let Some(record) = get(ctx, &old).await? else {
         return Ok(None);
     };
@@ -252,7 +252,7 @@ async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<Option<KeyRecord>> {
              is not, release it with `idemproxy keys release KEY`",
         ));
     }
-    ctx.p.id = old;
+    ctx.prepared.id = old;
     Ok(Some(record))
 }
 
@@ -261,7 +261,7 @@ async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<Option<KeyRecord>> {
 /// ids and settings are the operator's business.
 fn sealed(ctx: &Ctx, e: crate::store::StoreError) -> ProxyError {
     ctx.state.stats.on_decrypt_failure();
-    tracing::error!(key = %ctx.p.id.key, upstream = %ctx.p.id.upstream, error = %e, "a stored answer cannot be decrypted: refused (503), not forwarded");
+    tracing::error!(key = %ctx.prepared.id.key, upstream = %ctx.prepared.id.upstream, error = %e, "a stored answer cannot be decrypted: refused (503), not forwarded");
     ProxyError::store("a stored answer for this key cannot be decrypted")
 }
 

@@ -172,9 +172,9 @@ pub struct Ctx {
     upstream: Arc<Upstream>,
     client: Arc<UpstreamClient>,
     /// Step 1: key, fingerprint, entities, version (defaults until then).
-    p: Prepared,
+    prepared: Prepared,
     /// Step 1 evaluated the request (the audit row then names its key and entities).
-    prepared: bool,
+    evaluated: bool,
     /// Step 1: the request's head and body, until the upstream request is built from them
     /// (see [`Ctx::build_outgoing`]).
     unsent: Option<(http::request::Parts, bytes::Bytes)>,
@@ -223,8 +223,8 @@ impl Ctx {
             route: route.clone(),
             upstream: upstream.clone(),
             client: state.client(upstream)?.clone(),
-            p: Prepared::default(),
-            prepared: false,
+            prepared: Prepared::default(),
+            evaluated: false,
             unsent: None,
             outgoing: forward::Outgoing::default(),
             legacy_scope: None,
@@ -251,7 +251,8 @@ impl Ctx {
     /// made and parsed — was a twentieth of a replay's cost).
     fn build_outgoing(&mut self, target: &Target<'_>) -> ProxyResult<()> {
         if let Some((parts, body)) = self.unsent.take() {
-            self.outgoing = forward::Outgoing::new(&self.client, target, &self.p.key, parts, body)?;
+            self.outgoing =
+                forward::Outgoing::new(&self.client, target, &self.prepared.key, parts, body)?;
         }
         Ok(())
     }

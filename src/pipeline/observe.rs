@@ -81,7 +81,7 @@ pub(super) async fn run(
     // queued is an overlap, forwarded at once. Held, they fence the entity effects stored
     // below as in enforce mode (and detect overlaps across replicas on PostgreSQL).
     let mut overlap = false;
-    if reserve && !ctx.p.entities.is_empty() {
+    if reserve && !ctx.prepared.entities.is_empty() {
         ctx.deadline = Some(tokio::time::Instant::now());
         if let Err(e) = lock::step(&mut ctx).await {
             match e.kind.origin() {
@@ -112,10 +112,10 @@ pub(super) async fn run(
 /// and whether it would have reserved the key (then so does observe mode).
 async fn look(ctx: &mut Ctx) -> (Option<&'static str>, bool) {
     let store = ctx.state.store.clone();
-    let record = match store.cached(&ctx.p.id) {
-        Some(hit) if hit.fingerprint == ctx.p.fingerprint => return (Some("replay"), false),
+    let record = match store.cached(&ctx.prepared.id) {
+        Some(hit) if hit.fingerprint == ctx.prepared.fingerprint => return (Some("replay"), false),
         Some(_) => return (Some("key_reused"), false),
-        None => store.get(&ctx.p.id).await,
+        None => store.get(&ctx.prepared.id).await,
     };
     let record = match record {
         Ok(r) => r,
@@ -133,20 +133,20 @@ async fn look(ctx: &mut Ctx) -> (Option<&'static str>, bool) {
     }
     if let Some(w) = record
         .as_ref()
-        .and_then(|r| would_for_record(r, &ctx.p.fingerprint, &ctx.upstream))
+        .and_then(|r| would_for_record(r, &ctx.prepared.fingerprint, &ctx.upstream))
     {
         return (Some(w), false);
     }
-    if ctx.route.claim.is_some() || ctx.p.version.is_some() {
-        let states = match store.entity_states(&ctx.p.entities).await {
+    if ctx.route.claim.is_some() || ctx.prepared.version.is_some() {
+        let states = match store.entity_states(&ctx.prepared.entities).await {
             Ok(s) => s,
             Err(e) => return store_failed(ctx, e),
         };
         // Enforce mode refuses these before reserving: no record, no effects.
-        if ctx.route.claim.is_some() && checks::check_claims(&states, &ctx.p).is_err() {
+        if ctx.route.claim.is_some() && checks::check_claims(&states, &ctx.prepared).is_err() {
             return (Some("entity_claimed"), false);
         }
-        if let Some(v) = ctx.p.version {
+        if let Some(v) = ctx.prepared.version {
             if checks::check_versions(&states, v).is_err() {
                 return (Some("stale_version"), false);
             }
@@ -157,7 +157,7 @@ async fn look(ctx: &mut Ctx) -> (Option<&'static str>, bool) {
 
 fn store_failed(ctx: &Ctx, e: crate::store::StoreError) -> (Option<&'static str>, bool) {
     ctx.state.stats.on_store_error();
-    tracing::warn!(key = %ctx.p.id.key, error = %e, "observe mode: the store failed; forwarding anyway (observe mode fails open)");
+    tracing::warn!(key = %ctx.prepared.id.key, error = %e, "observe mode: the store failed; forwarding anyway (observe mode fails open)");
     (None, false)
 }
 
@@ -175,7 +175,7 @@ async fn reserve_key(ctx: &mut Ctx) -> bool {
             true
         }
         Ok(Reserved::Existing(rec)) => {
-            let w = would_for_record(&rec, &ctx.p.fingerprint, &ctx.upstream);
+            let w = would_for_record(&rec, &ctx.prepared.fingerprint, &ctx.upstream);
             ctx.observed = ctx.observed.or(w).or(Some("in_flight"));
             false
         }

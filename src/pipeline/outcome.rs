@@ -104,7 +104,7 @@ impl Ctx {
     pub(super) fn answer(&self, outcome: Outcome) -> ProxyResult<Response<ProxyBody>> {
         // Observe mode hands the upstream's answer back unchanged (but for what it observed).
         let observe = self.route.mode == crate::config::Mode::Observe;
-        let key = &self.p.key;
+        let key = &self.prepared.key;
         let answer = match outcome {
             Outcome::Replayed(stored) => Ok(respond(&stored, key, true)),
             Outcome::Reconciled(stored) => Ok(respond(&stored, key, false)),
@@ -121,7 +121,7 @@ impl Ctx {
                 }
             }),
             Outcome::NotSent(e) | Outcome::Unknown(e) | Outcome::Refused(e) => {
-                Err(if self.prepared && e.key.is_none() {
+                Err(if self.evaluated && e.key.is_none() {
                     e.with_key(key)
                 } else {
                     e
@@ -155,11 +155,11 @@ impl Ctx {
             self.upstream_time,
         );
         // The context ends here (finish, or drop): its strings move into the row.
-        let ids = match self.prepared {
+        let ids = match self.evaluated {
             true => (
-                Some(std::mem::take(&mut self.p.key)),
-                Some(std::mem::take(&mut self.p.fingerprint)),
-                std::mem::take(&mut self.p.entities),
+                Some(std::mem::take(&mut self.prepared.key)),
+                Some(std::mem::take(&mut self.prepared.fingerprint)),
+                std::mem::take(&mut self.prepared.entities),
             ),
             false => (None, None, Vec::new()),
         };
@@ -172,9 +172,9 @@ impl Ctx {
     /// reconcile), beside the request's row, so `keys show` tells the whole story.
     pub(super) fn record_read(&self, decision: &str, status: Option<u16>, took: Duration) {
         let ids = (
-            Some(self.p.key.clone()),
-            Some(self.p.fingerprint.clone()),
-            self.p.entities.clone(),
+            Some(self.prepared.key.clone()),
+            Some(self.prepared.fingerprint.clone()),
+            self.prepared.entities.clone(),
         );
         let mut row = self.audit_row(ids, decision, status, took, Some(took));
         row.lock_wait_ms = 0;

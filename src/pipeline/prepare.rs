@@ -114,8 +114,8 @@ pub(super) async fn step(
         }
         return Err(e);
     }
-    ctx.p = prepared?;
-    ctx.prepared = true;
+    ctx.prepared = prepared?;
+    ctx.evaluated = true;
     // The first release scoped keys by `Authorization` and `scope_headers` only: a request that
     // also carries another credential header (a cookie, an API key) shares that old scope with
     // callers it may not be.

@@ -43,7 +43,9 @@ impl Verdict {
 /// Whether an unknown outcome of this request is reconciled (enforce mode only: observe mode
 /// never delays a request).
 pub(super) fn applies(ctx: &Ctx) -> bool {
-    ctx.route.mode == Mode::Enforce && ctx.route.reconcile.is_some() && ctx.p.reconcile.is_some()
+    ctx.route.mode == Mode::Enforce
+        && ctx.route.reconcile.is_some()
+        && ctx.prepared.reconcile.is_some()
 }
 
 /// Whether a retry that meets this record reconciles it first — an unknown outcome (or an
@@ -100,12 +102,12 @@ fn due(rec: &KeyRecord, after: Duration, timeout: Duration, now: i64) -> Due {
 
 /// Waits, sends the read, judges the answer; audited and counted.
 pub(super) async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
-    let (Some(rc), Some(read)) = (&ctx.route.reconcile, &ctx.p.reconcile) else {
+    let (Some(rc), Some(read)) = (&ctx.route.reconcile, &ctx.prepared.reconcile) else {
         return Verdict::Failed("the route has no reconcile".into());
     };
     let started = Instant::now();
     // `{stamp}` is known once the key is ours: this action's stamp.
-    let path = match ctx.p.stamped && read.path.contains(STAMP_MARK) {
+    let path = match ctx.prepared.stamped && read.path.contains(STAMP_MARK) {
         true => read.path.replace(STAMP_MARK, &ctx.stamp()),
         false => read.path.clone(),
     };
@@ -137,7 +139,7 @@ pub(super) async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
         Verdict::Failed(_) => "reconcile_failed",
     };
     ctx.record_read(decision, status, took);
-    tracing::info!(key = %ctx.p.id.key, route = %ctx.route.name, path = %path, ?status, result = verdict.result(), "reconciled an unknown outcome");
+    tracing::info!(key = %ctx.prepared.id.key, route = %ctx.route.name, path = %path, ?status, result = verdict.result(), "reconciled an unknown outcome");
     verdict
 }
 

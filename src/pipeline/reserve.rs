@@ -14,10 +14,10 @@ impl Ctx {
     /// The reservation of this request's key, for a full lease from now.
     pub(super) fn reservation(&self, take_unknown: bool) -> Reservation {
         Reservation {
-            id: self.p.id.clone(),
-            fingerprint: self.p.fingerprint.clone(),
+            id: self.prepared.id.clone(),
+            fingerprint: self.prepared.fingerprint.clone(),
             route: self.route.name.clone(),
-            entities: self.p.entities.clone(),
+            entities: self.prepared.entities.clone(),
             owner: self.state.owner.clone(),
             lease: self.state.config.store.lease,
             take_unknown,
@@ -49,7 +49,11 @@ async fn entities_held(ctx: &mut Ctx) -> ProxyResult<()> {
 pub(super) async fn still_ours(ctx: &mut Ctx) -> ProxyResult<()> {
     entities_held(ctx).await?;
     let lease = ctx.state.config.store.lease;
-    let renewed = ctx.state.store.renew(&ctx.p.id, ctx.epoch, lease).await;
+    let renewed = ctx
+        .state
+        .store
+        .renew(&ctx.prepared.id, ctx.epoch, lease)
+        .await;
     if matches!(renewed, Ok(true)) {
         return Ok(());
     }

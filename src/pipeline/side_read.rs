@@ -7,7 +7,7 @@ use crate::body::BodyPath;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::store::StoredResponse;
 use crate::template::{RequestView, Template};
-use crate::upstream::{call, full, Outcome, UpstreamClient};
+use crate::upstream::{call, full, Called, UpstreamClient};
 use http::{HeaderMap, HeaderValue, Method, Request};
 use serde_json::Value;
 
@@ -66,19 +66,19 @@ pub(super) async fn read(
         HeaderValue::from_static("application/json"),
     );
     match call::call(client, req, up.timeout).await {
-        Outcome::Answer(answer) => Ok(answer),
-        Outcome::Oversize { head, .. } => Err(ProxyError::new(
+        Called::Answer(answer) => Ok(answer),
+        Called::Oversize { head, .. } => Err(ProxyError::new(
             ErrorKind::AnswerTooLarge,
             format!(
                 "the {what} {path} was answered {} with a body over max_answer",
                 head.status
             ),
         )),
-        Outcome::NotSent(why) => Err(ProxyError::new(
+        Called::NotSent(why) => Err(ProxyError::new(
             ErrorKind::UpstreamUnreachable,
             format!("the {what} {path} failed: {why}"),
         )),
-        Outcome::Unknown(why) => Err(ProxyError::new(
+        Called::Unknown(why) => Err(ProxyError::new(
             ErrorKind::UpstreamTimeout,
             format!("the {what} {path} got no answer: {why}"),
         )),

@@ -16,7 +16,7 @@ use crate::error::{ErrorKind, ProxyError};
 use crate::store::{
     after_ms, Effects, Finish, ScopedKey, StoreResult, StoredResponse, OMITTED_BODY,
 };
-use crate::upstream::Outcome as Called;
+use crate::upstream::Called;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -115,7 +115,9 @@ fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> bool {
             expires_at,
             effects,
         } if full && effects.is_empty() => {
-            ctx.state.store.remember(&ctx.p.id, response, *expires_at)
+            ctx.state
+                .store
+                .remember(&ctx.prepared.id, response, *expires_at)
         }
         _ => false,
     }
@@ -124,7 +126,7 @@ fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> bool {
 /// Stores what became of the key (fenced by our epoch), then lets go of the entity locks and
 /// the key's slot.
 pub(super) async fn record(ctx: &mut Ctx, finish: Finish) {
-    let (state, id) = (&ctx.state, &ctx.p.id);
+    let (state, id) = (&ctx.state, &ctx.prepared.id);
     let stored = state.store.finish(id, ctx.epoch, finish).await;
     heard(&state.stats, id, stored);
     ctx.release_entities().await;
@@ -136,13 +138,17 @@ pub(super) async fn record(ctx: &mut Ctx, finish: Finish) {
 /// stored, wherever the store hears of that (SQLite: the writer's thread, see
 /// `store::sqlite::engine::deferred`). `Some`: the store handed the write back, to be awaited here.
 fn record_later(ctx: &mut Ctx, finish: Finish) -> Option<crate::store::Pending> {
-    let (stats, id, slot) = (ctx.state.stats.clone(), ctx.p.id.clone(), ctx.slot.take());
+    let (stats, id, slot) = (
+        ctx.state.stats.clone(),
+        ctx.prepared.id.clone(),
+        ctx.slot.take(),
+    );
     let then = Box::new(move |stored| {
         heard(&stats, &id, stored);
         drop(slot);
     });
     let store = ctx.state.store.clone();
-    store.finish_answered_later(ctx.p.id.clone(), ctx.epoch, finish, then)
+    store.finish_answered_later(ctx.prepared.id.clone(), ctx.epoch, finish, then)
 }
 
 /// What a stored outcome's write came to, logged and counted.
@@ -212,7 +218,7 @@ pub(super) fn finish_of(ctx: &Ctx, outcome: &Outcome) -> Finish {
         } => {
             // The write happened and its status is known: the key is completed, but only its
             // head is stored, marked, so retries get `answer_too_large`, never a second forward.
-            tracing::warn!(key = %ctx.p.id.key, status = head.status, max_answer = ctx.upstream.max_answer, "the answer is over max_answer: streamed to its caller, not stored");
+            tracing::warn!(key = %ctx.prepared.id.key, status = head.status, max_answer = ctx.upstream.max_answer, "the answer is over max_answer: streamed to its caller, not stored");
             let mut stored: StoredResponse = (*head.for_storage(keep_cookie)).clone();
             stored
                 .headers
@@ -227,7 +233,7 @@ pub(super) fn finish_of(ctx: &Ctx, outcome: &Outcome) -> Finish {
 /// from the intent alone), with its entity effects.
 pub(super) fn completed(ctx: &Ctx, stored: Arc<StoredResponse>) -> Finish {
     let keep = ctx
-        .p
+        .prepared
         .window
         .map_or(ctx.route.retention, |w| w.min(ctx.route.retention));
     Finish::Completed {
@@ -245,8 +251,8 @@ fn effects(ctx: &Ctx, status: u16) -> Effects {
     }
     let route = &ctx.route;
     Effects {
-        entities: ctx.p.entities.clone(),
-        version: ctx.p.version,
+        entities: ctx.prepared.entities.clone(),
+        version: ctx.prepared.version,
         claim_until: route.claim.map(after_ms),
         release_claim: route.release_claim,
         leases: ctx

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 /// How an upstream call ended.
 #[derive(Debug)]
-pub enum Outcome {
+pub enum Called {
     /// A complete answer.
     Answer(StoredResponse),
     /// An answer over the upstream's `max_answer`: its head and the part read so far, and the
@@ -29,13 +29,13 @@ pub enum Outcome {
 }
 
 /// Sends `req` and buffers the whole answer within `timeout`.
-pub async fn call(client: &UpstreamClient, req: Request<ProxyBody>, timeout: Duration) -> Outcome {
+pub async fn call(client: &UpstreamClient, req: Request<ProxyBody>, timeout: Duration) -> Called {
     let deadline = tokio::time::Instant::now() + timeout;
     let fut = async {
         let resp = match client.send(req).await {
             Ok(r) => r,
-            Err(e) if e.is_connect() => return Outcome::NotSent(describe(&e)),
-            Err(e) => return Outcome::Unknown(describe(&e)),
+            Err(e) if e.is_connect() => return Called::NotSent(describe(&e)),
+            Err(e) => return Called::Unknown(describe(&e)),
         };
         let (parts, mut body) = resp.into_parts();
         let mut headers = parts.headers;
@@ -72,7 +72,7 @@ pub async fn call(client: &UpstreamClient, req: Request<ProxyBody>, timeout: Dur
                     head.headers
                         .push(("content-length".into(), Bytes::from(n.to_string())));
                 }
-                return Outcome::Oversize {
+                return Called::Oversize {
                     head,
                     body: PrefixedBody::new(prefix, body, deadline),
                 };
@@ -85,18 +85,18 @@ pub async fn call(client: &UpstreamClient, req: Request<ProxyBody>, timeout: Dur
                     }
                 }
                 Some(Err(e)) => {
-                    return Outcome::Unknown(format!(
+                    return Called::Unknown(format!(
                         "the answer's body broke off: {}",
                         describe(&e)
                     ))
                 }
             }
         }
-        Outcome::Answer(assemble(status, spans, &buf.freeze(), body_at))
+        Called::Answer(assemble(status, spans, &buf.freeze(), body_at))
     };
     match tokio::time::timeout(timeout, fut).await {
         Ok(outcome) => outcome,
-        Err(_) => Outcome::Unknown(format!("no complete answer within {timeout:?}")),
+        Err(_) => Called::Unknown(format!("no complete answer within {timeout:?}")),
     }
 }
 

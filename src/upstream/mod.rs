@@ -6,7 +6,7 @@ pub mod call;
 pub mod client;
 pub mod passthrough;
 
-pub use call::{describe, Outcome, PrefixedBody};
+pub use call::{describe, Called, PrefixedBody};
 pub use client::{
     default_roots, full, request_headers, strip_hop_by_hop, BoundedConnect, BoxError, ProxyBody,
     UpstreamClient,

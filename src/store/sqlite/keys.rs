@@ -3,7 +3,7 @@
 //! record on the caller's thread ([`super::reader`]), the operator's listings from the read
 //! pool.
 
-use super::engine::job::{Ctx, Heard};
+use super::engine::job::{Heard, Tx};
 use super::entities::apply_effects;
 use super::*;
 use rusqlite::{params, OptionalExtension};
@@ -15,7 +15,7 @@ use rusqlite::{params, OptionalExtension};
 /// is read, as a retry the replay cache missed needs it read anyway; only one that looks
 /// reservable (released, past retention) takes the upsert, which decides again — as on
 /// PostgreSQL. Takeovers of unknown outcomes go to the upsert at once.
-pub fn reserve(ctx: &Ctx, r: &Reservation) -> StoreResult<Reserved> {
+pub fn reserve(ctx: &Tx, r: &Reservation) -> StoreResult<Reserved> {
     let stmt = |sql: &str| -> rusqlite::Result<rusqlite::CachedStatement<'_>> {
         ctx.conn.prepare_cached(sql)
     };
@@ -97,7 +97,7 @@ static RESERVE_TAKING_UNKNOWN: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| reserve_sql("TRUE"));
 
 /// One record, read on the writer's connection (inside its transaction).
-fn record(ctx: &Ctx, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
+fn record(ctx: &Tx, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
     // Every replay the cache misses comes this way (the reservation is its look-up).
     super::reader::read_record(ctx.conn, ctx.cipher, id)
 }
@@ -107,7 +107,7 @@ fn record(ctx: &Ctx, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
 /// batch's other jobs share its transaction, so an outcome with effects runs in a savepoint of
 /// its own, rolled back when a statement fails — a key is never completed without its
 /// version or claim while its caller is told it will read as unknown.
-pub fn finish(ctx: &Ctx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreResult<bool> {
+pub fn finish(ctx: &Tx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreResult<bool> {
     if c.effects.is_empty() {
         return finish_row(ctx, id, epoch, c);
     }
@@ -127,7 +127,7 @@ pub fn finish(ctx: &Ctx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> Store
 }
 
 /// The outcome's own row, fenced by `epoch`.
-fn finish_row(ctx: &Ctx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreResult<bool> {
+fn finish_row(ctx: &Tx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreResult<bool> {
     let changed = ctx
         .conn
         .prepare_cached(
@@ -151,7 +151,7 @@ fn finish_row(ctx: &Ctx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> Store
     Ok(changed == 1)
 }
 
-pub fn renew(ctx: &Ctx, id: &ScopedKey, epoch: i64, until: i64) -> StoreResult<bool> {
+pub fn renew(ctx: &Tx, id: &ScopedKey, epoch: i64, until: i64) -> StoreResult<bool> {
     let changed = ctx.conn.prepare_cached(
         "UPDATE idem_keys SET lease_until = ?1 WHERE upstream = ?2 AND scope = ?3 AND key = ?4 AND state = 'in_flight' AND epoch = ?5",
     )?
@@ -161,7 +161,7 @@ pub fn renew(ctx: &Ctx, id: &ScopedKey, epoch: i64, until: i64) -> StoreResult<b
 
 /// Releases `key` and notes the release in `idem_releases`, which the serving process reads
 /// (see [`super::releases`]): `(records released, the note's sequence number)`.
-pub fn release_key(ctx: &Ctx, key: &str) -> StoreResult<(u64, i64)> {
+pub fn release_key(ctx: &Tx, key: &str) -> StoreResult<(u64, i64)> {
     let released = ctx.conn.execute(
         &format!(
             "UPDATE idem_keys SET state = 'released', owner = NULL, updated_at = ?1 WHERE key = ?2 AND {}",
@@ -263,7 +263,7 @@ impl Keys for SqliteStore {
                 then(done)
             }));
         }
-        let write = move |ctx: &Ctx| finish(ctx, &id, epoch, &columns);
+        let write = move |ctx: &Tx| finish(ctx, &id, epoch, &columns);
         self.writer.finish_later(write, then);
         None
     }

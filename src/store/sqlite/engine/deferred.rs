@@ -12,13 +12,13 @@
 //! with nothing to do is woken, once, as a lone client's outcome must not wait for a
 //! reservation that may never come.
 
-use super::job::{deliver, Ctx, Heard, Job};
+use super::job::{deliver, Heard, Job, Tx};
 use crate::store::{AfterCommit, StoreResult};
 use std::collections::VecDeque;
 use std::sync::Mutex;
 
 /// An outcome's write: whether it was stored (`false`: fenced off).
-pub type Write = Box<dyn FnOnce(&Ctx) -> StoreResult<bool> + Send>;
+pub type Write = Box<dyn FnOnce(&Tx) -> StoreResult<bool> + Send>;
 
 /// One outcome's write and who hears how it went.
 pub struct Later {

@@ -8,7 +8,7 @@ use rusqlite::Connection;
 
 /// What a job is given: the connection (inside the batch's transaction), the batch's clock
 /// (ms), and the cipher that opens the records a reservation finds standing.
-pub struct Ctx<'a> {
+pub struct Tx<'a> {
     pub conn: &'a Connection,
     pub now: i64,
     pub cipher: Option<&'a crate::store::seal::Cipher>,
@@ -29,7 +29,7 @@ pub(super) fn deliver<T: Send + 'static>(
 }
 
 /// One write, run in the batch's transaction; what it returns is delivered after the commit.
-pub type Job = Box<dyn FnOnce(&Ctx) -> Delivery + Send>;
+pub type Job = Box<dyn FnOnce(&Tx) -> Delivery + Send>;
 
 /// When a write's caller hears back.
 #[derive(Clone, Copy, PartialEq, Eq)]

@@ -27,7 +27,7 @@
 
 use super::deferred::{Deferred, Later};
 use super::durable::Syncer;
-pub(super) use super::job::{deliver, Ctx, Heard, Job};
+pub(super) use super::job::{deliver, Heard, Job, Tx};
 use crate::store::{SharedCipher, StoreError, StoreResult};
 use rusqlite::Connection;
 use std::sync::Arc;
@@ -124,7 +124,7 @@ impl Writer {
     pub async fn write<T, F>(&self, f: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Ctx) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Tx) -> StoreResult<T> + Send + 'static,
     {
         self.write_heard(Heard::Synced, f).await
     }
@@ -133,7 +133,7 @@ impl Writer {
     pub async fn write_heard<T, F>(&self, heard: Heard, f: F) -> StoreResult<T>
     where
         T: Send + 'static,
-        F: FnOnce(&Ctx) -> StoreResult<T> + Send + 'static,
+        F: FnOnce(&Tx) -> StoreResult<T> + Send + 'static,
     {
         let (reply, rx) = oneshot::channel();
         let job: Job = Box::new(move |ctx| deliver(move |res| drop(reply.send(res)), f(ctx)));
@@ -150,7 +150,7 @@ impl Writer {
     /// hears how it went, on the writer's thread, once committed.
     pub fn finish_later<F>(&self, f: F, then: crate::store::AfterCommit)
     where
-        F: FnOnce(&Ctx) -> StoreResult<bool> + Send + 'static,
+        F: FnOnce(&Tx) -> StoreResult<bool> + Send + 'static,
     {
         let run = Box::new(f);
         match self.deferred.push(Later { run, then }) {

@@ -43,7 +43,7 @@ fn committed(path: &std::path::Path, id: i64) -> bool {
         == 1
 }
 
-fn insert(id: i64) -> impl FnOnce(&Ctx) -> StoreResult<()> + Send + 'static {
+fn insert(id: i64) -> impl FnOnce(&Tx) -> StoreResult<()> + Send + 'static {
     move |ctx| {
         ctx.conn.execute("INSERT INTO t (id) VALUES (?1)", [id])?;
         Ok(())
@@ -145,7 +145,7 @@ fn outcomes_linger_only_while_the_syncer_is_busy() {
 /// hears how it went.
 fn later<F>(w: &Writer, f: F) -> oneshot::Receiver<StoreResult<bool>>
 where
-    F: FnOnce(&Ctx) -> StoreResult<bool> + Send + 'static,
+    F: FnOnce(&Tx) -> StoreResult<bool> + Send + 'static,
 {
     let (tx, rx) = oneshot::channel();
     w.finish_later(f, Box::new(move |res| drop(tx.send(res))));

@@ -1,7 +1,7 @@
 //! The writer's thread: what goes into a batch (its queue, the outcomes that wait in
 //! [`super::super::deferred`], the linger), and the batch run in one transaction.
 
-use super::{Ctx, Heard, Job, Linger, Msg, MAX_BATCH};
+use super::{Heard, Job, Linger, Msg, Tx, MAX_BATCH};
 use crate::store::sqlite::engine::deferred::Deferred;
 use crate::store::sqlite::engine::durable::{Delivery, Syncer};
 use crate::store::sqlite::engine::pace::{Pace, Ran};
@@ -59,7 +59,7 @@ pub(super) fn run(
 ) {
     let mut jobs: Vec<(Job, Heard)> = Vec::with_capacity(MAX_BATCH);
     let mut closing = None;
-    let ctx = |conn| Ctx {
+    let ctx = |conn| Tx {
         conn,
         now: crate::store::now_ms(),
         cipher: cipher.as_deref(),
@@ -175,7 +175,7 @@ impl Batch<'_> {
 
 /// Runs a batch in one transaction; callers hear back only after the commit (and its sync).
 /// Returns what it ran, for [`Pace`].
-fn run_batch(ctx: &Ctx, jobs: Vec<(Job, Heard)>, mut batch: Batch) -> Ran {
+fn run_batch(ctx: &Tx, jobs: Vec<(Job, Heard)>, mut batch: Batch) -> Ran {
     let conn = ctx.conn;
     if !conn.is_autocommit() {
         // A transaction left open by a failed commit is let go before the next one.

@@ -11,14 +11,14 @@ use std::net::SocketAddr;
 use std::ops::Range;
 use std::time::Duration;
 
-pub(super) struct Ctx<'a> {
+pub(super) struct Compiler<'a> {
     pub(super) text: &'a str,
     pub(super) origin: &'a str,
     pub(super) env: &'a dyn Fn(&str) -> Option<String>,
     pub(super) errors: Vec<String>,
 }
 
-impl Ctx<'_> {
+impl Compiler<'_> {
     pub(super) fn at(&self, span: Range<usize>) -> String {
         let upto = &self.text[..span.start.min(self.text.len())];
         let line = upto.matches('\n').count() + 1;
