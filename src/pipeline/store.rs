@@ -14,7 +14,7 @@ use super::reconcile::{self, Verdict};
 use super::{Ctx, Detached, Reply};
 use crate::error::{ErrorKind, ProxyError};
 use crate::store::{
-    after_ms, Effects, Finish, ScopedKey, StoreResult, StoredResponse, OMITTED_BODY,
+    after_ms, Effects, Finish, KeyState, ScopedKey, StoreResult, StoredResponse, OMITTED_BODY,
 };
 use crate::upstream::Called;
 use std::sync::Arc;
@@ -126,11 +126,49 @@ fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> bool {
 /// Stores what became of the key (fenced by our epoch), then lets go of the entity locks and
 /// the key's slot.
 pub(super) async fn record(ctx: &mut Ctx, finish: Finish) {
-    let (state, id) = (&ctx.state, &ctx.prepared.id);
-    let stored = state.store.finish(id, ctx.epoch, finish).await;
-    heard(&state.stats, id, stored);
+    let stored = finish_durably(ctx, finish).await;
+    heard(&ctx.state.stats, &ctx.prepared.id, stored);
     ctx.release_entities().await;
     ctx.slot = None;
+}
+
+/// How long a completion the store failed to commit is tried again. A database failing over
+/// (a PostgreSQL standby promoted behind the same address: 0.1–0.3 s in `tests/failover.rs`)
+/// takes it then, and the answer its caller is about to get is stored first, so a retry
+/// replays it instead of reading `409 outcome_unknown`. Never the write: only its outcome.
+const STORE_RETRY_FOR: Duration = Duration::from_secs(5);
+
+/// [`crate::store::Keys::finish`], tried again while the store fails, for up to
+/// [`STORE_RETRY_FOR`] (or the lease, if shorter: past it the key may be another's). A try that failed may have committed all the same (its
+/// acknowledgement lost with the connection): when the next finds the record no longer ours,
+/// the record says whether it holds this outcome at our epoch.
+async fn finish_durably(ctx: &Ctx, finish: Finish) -> StoreResult<bool> {
+    let (store, id, epoch) = (&ctx.state.store, &ctx.prepared.id, ctx.epoch);
+    let budget = STORE_RETRY_FOR.min(ctx.state.config.store.lease);
+    let started = tokio::time::Instant::now();
+    let mut pause = Duration::from_millis(25);
+    let mut failed = false;
+    loop {
+        match store.finish(id, epoch, finish.clone()).await {
+            Ok(false) if failed => {
+                let want = match &finish {
+                    Finish::Completed { .. } => KeyState::Completed,
+                    Finish::Released => KeyState::Released,
+                    Finish::Unknown => KeyState::Unknown,
+                };
+                let record = store.get(id).await?;
+                return Ok(record.is_some_and(|r| r.epoch == epoch && r.state == want));
+            }
+            Ok(owned) => return Ok(owned),
+            Err(e) if started.elapsed() + pause > budget => return Err(e),
+            Err(e) => {
+                failed = true;
+                tracing::warn!(key = %id.key, error = %e, "could not store the upstream's answer yet; trying again");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+        }
+    }
 }
 
 /// [`record`] of an answer already given, when nothing but the key's slot is held: the store

@@ -18,6 +18,7 @@
 
 pub mod backend;
 pub mod client;
+pub mod ha;
 mod message;
 pub mod pg;
 pub mod process;
