@@ -21,6 +21,9 @@ pub enum Point {
     BatchMid,
     /// A PostgreSQL reservation batch committed its new keys; its takeovers are not yet run.
     PgBatchMid,
+    /// A PostgreSQL batch of outcomes committed (one statement, so all of it); none of their
+    /// callers has heard.
+    PgOutcomeBatch,
     /// SQLite committed a batch; its WAL is not yet synced.
     BeforeSync,
     /// SQLite's WAL is synced; nobody has heard of it yet.
@@ -37,6 +40,7 @@ impl Point {
             Point::Answered => "answered",
             Point::BatchMid => "batch-mid",
             Point::PgBatchMid => "pg-batch-mid",
+            Point::PgOutcomeBatch => "pg-outcome-batch",
             Point::BeforeSync => "before-sync",
             Point::AfterSync => "after-sync",
             Point::SkipSync => "skip-sync",

@@ -11,6 +11,8 @@
 //! - `batch-mid` (SQLite: one job of a batch ran, nothing committed) and `pg-batch-mid`
 //!   (PostgreSQL: a batch's new keys committed, its takeovers not run): what was not committed
 //!   is forwarded once on retry, what was is unknown;
+//! - `pg-outcome-batch` (PostgreSQL: a batch of outcomes committed, one statement, nobody told):
+//!   those keys replay although their callers never got the answers;
 //! - `before-sync` and `after-sync` (SQLite: committed, the WAL not yet / just synced, nobody
 //!   told): the reservations stand (a process crash keeps the page cache), so unknown; a power
 //!   loss is another test.
@@ -129,6 +131,9 @@ async fn points(store: &str, names: &[&str]) {
             }
             // Nothing of the batch committed: its keys are forwarded on retry, once.
             "batch-mid" => assert!(r.fresh >= 2, "{point}: a batch's keys were committed"),
+            // A batch of outcomes committed whole, nobody told: more keys replay than were
+            // answered, and none is sent again.
+            "pg-outcome-batch" => assert!(r.replayed >= answered + 2, "{point}"),
             // Committed, synced or not: a process crash keeps them.
             _ => assert!(r.unknown >= 1, "{point}: a committed reservation was lost"),
         }
@@ -157,7 +162,12 @@ async fn postgres_killed_at_each_fault_point() {
     };
     points(
         &pg.store_toml(),
-        &["reserved:12", "answered:12", "pg-batch-mid"],
+        &[
+            "reserved:12",
+            "answered:12",
+            "pg-batch-mid",
+            "pg-outcome-batch",
+        ],
     )
     .await;
 }

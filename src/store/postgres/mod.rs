@@ -274,7 +274,11 @@ fn outcomes(
                 1 => alone,
                 _ => batched::Commit::Session,
             };
+            let several = fs.len() > 1;
             let out = batched::finish_many(&mut conn, &clock, fs, commit).await;
+            if several {
+                crate::fault::point(crate::fault::Point::PgOutcomeBatch);
+            }
             (Some(conn), out)
         }
     })
