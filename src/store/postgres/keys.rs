@@ -49,7 +49,7 @@ impl PgStore {
         c: crate::store::FinishColumns,
     ) -> StoreResult<bool> {
         if c.effects.is_empty() {
-            return self.finishes.call((id.clone(), epoch, c)).await;
+            return self.batchers.outcomes.call((id.clone(), epoch, c)).await;
         }
         // One transaction: the answer and its effects stand or fall together; the
         // notification goes out at commit.
@@ -74,12 +74,12 @@ impl PgStore {
 #[async_trait]
 impl Keys for PgStore {
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
-        self.gets.call(id.clone()).await
+        self.batchers.record_reads.call(id.clone()).await
     }
     /// New keys go in with `ON CONFLICT DO NOTHING`: a record that stands is read, not locked
     /// (see `batched::reserve_many`).
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
-        self.reserves.call(r).await?
+        self.batchers.reservations.call(r).await?
     }
     async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
         let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
@@ -101,7 +101,10 @@ impl Keys for PgStore {
         if !c.effects.is_empty() {
             return self.finish_columns(id, epoch, c).await;
         }
-        self.answered.call((id.clone(), epoch, c)).await
+        self.batchers
+            .answered_outcomes
+            .call((id.clone(), epoch, c))
+            .await
     }
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
         let sql = format!("UPDATE idem_keys SET lease_until = {NOW} + $5 WHERE {IN_FLIGHT_AT}");

@@ -58,7 +58,7 @@ impl EntityLocks for PgStore {
             loop {
                 let mut woken = self.hub.subscribe(&entity_topic(entity));
                 let taking = Taking::new(entity, owner, lease_ms(lease));
-                let attempt = match self.takes.call(taking).await {
+                let attempt = match self.batchers.lease_takes.call(taking).await {
                     Ok(a) => a,
                     Err(e) => {
                         let _ = self.unlock_entities(&held, owner).await;
@@ -133,6 +133,9 @@ impl EntityLocks for PgStore {
             return Ok(());
         }
         // Many requests' releases per round trip (see `release_many`).
-        self.releases.call(Releasing::new(owner, leases)).await
+        self.batchers
+            .lease_releases
+            .call(Releasing::new(owner, leases))
+            .await
     }
 }

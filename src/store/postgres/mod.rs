@@ -17,6 +17,7 @@
 mod audit;
 mod batch;
 mod batched;
+mod batchers;
 mod entities;
 mod kept;
 mod keys;
@@ -37,6 +38,53 @@ const NOW: &str = "(extract(epoch from clock_timestamp()) * 1000)::bigint";
 
 const CHANNEL: &str = "idemproxy";
 
+/// The main pool (reservations, outcomes: synchronous commits) and the lazily durable one
+/// (see `PgStore::lazy`).
+async fn pools(url: &str) -> StoreResult<(PgPool, PgPool)> {
+    // A dead or hung database must turn into 503 store_unavailable within seconds.
+    // Every hot statement here finds its rows by key through an index; the batched ones
+    // join a few `UNNEST`ed keys to `idem_keys`. On a table whose statistics lag its
+    // growth (a new store, a burst) the planner scanned every key for those instead (a
+    // hash join, or a loop over a sequential scan): 5–8 ms a batch at 20k keys, growing
+    // with the table, in prepared plans kept until the next ANALYZE. So the store's
+    // connections plan only index lookups (a query with no index still scans), and plan
+    // each prepared statement once: re-planning the batched statements on every
+    // execution (PostgreSQL's default for statements over arrays) was a sixth of its CPU.
+    let opts = PgConnectOptions::from_str(url)?.options([
+        ("statement_timeout", "5000"),
+        ("plan_cache_mode", "force_generic_plan"),
+        ("enable_seqscan", "off"),
+        ("enable_hashjoin", "off"),
+        ("enable_mergejoin", "off"),
+    ]);
+    let lazy_pool = PgPoolOptions::new()
+        .max_connections(LAZY_CONNECTIONS)
+        .min_connections(0)
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
+        .acquire_timeout(Duration::from_secs(3))
+        .connect_lazy_with(opts.clone().options([("synchronous_commit", "off")]));
+    let pool = PgPoolOptions::new()
+        .max_connections(32 - LAZY_CONNECTIONS)
+        .min_connections(2)
+        // sqlx's default pings every connection as it leaves the pool: a round trip (and a
+        // backend woken) per statement. Only a connection idle for a while is pinged (a
+        // dead one is closed and another taken): a database restart or a firewall's idle
+        // timeout kills idle connections, and a statement that met one would fail —
+        // for an outcome, after the upstream answered, leaving its key unknown. Under
+        // load connections are never idle that long, so they are never pinged.
+        .test_before_acquire(false)
+        .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
+        .acquire_timeout(Duration::from_secs(3))
+        // Reservations and completions are durable before anyone acts on them, whatever
+        // the server, role, database or URL defaults to: a `synchronous_commit = off`
+        // there would make a reservation lazy, and a database crash after the forward
+        // would lose it (the retry forwarded again). Set last, it wins over the URL's.
+        .connect_with(opts.options([("synchronous_commit", "on")]))
+        .await?;
+    Ok((pool, lazy_pool))
+}
+
 /// A lease as milliseconds, the unit of the database clock.
 fn lease_ms(d: Duration) -> i64 {
     d.as_millis() as i64
@@ -56,17 +104,8 @@ pub struct PgStore {
     /// run here too.
     lazy: kept::Kept,
     lazy_pool: PgPool,
-    /// Reservations and outcomes, many per round trip (see [`batch`]).
-    gets: batch::Batcher<ScopedKey, Option<KeyRecord>>,
-    /// Reservations answer one by one (see `batched::reserve_many`).
-    reserves: batch::Batcher<Reservation, StoreResult<Reserved>>,
-    finishes: batch::Batcher<batched::Finishing, bool>,
-    /// Outcomes whose callers were already answered (see `Keys::finish_answered`).
-    answered: batch::Batcher<batched::Finishing, bool>,
-    /// Entity leases taken and released, many per statement, on the lazily durable pool
-    /// (see [`leases`]).
-    takes: batch::Batcher<leases::Taking, leases::Attempt>,
-    releases: batch::Batcher<leases::Releasing, ()>,
+    /// The hot statements, many requests per round trip (see [`batchers`]).
+    batchers: batchers::Batchers,
     hub: Arc<Hub>,
     listener: tokio::task::JoinHandle<()>,
     clock: Clock,
@@ -84,6 +123,22 @@ pub struct PgStore {
 struct Clock(Arc<std::sync::atomic::AtomicI64>);
 
 impl Clock {
+    /// Measured now, and every minute by the task returned.
+    async fn start(pool: &PgPool) -> StoreResult<(Clock, tokio::task::JoinHandle<()>)> {
+        let clock = Clock::default();
+        clock.measure(pool).await?;
+        let task = {
+            let (clock, pool) = (clock.clone(), pool.clone());
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_secs(60)).await;
+                    let _ = clock.measure(&pool).await;
+                }
+            })
+        };
+        Ok((clock, task))
+    }
+
     async fn measure(&self, pool: &PgPool) -> StoreResult<()> {
         // Time the query alone, not the wait for a pooled connection.
         let mut conn = pool.acquire().await?;
@@ -131,111 +186,14 @@ impl Clock {
 
 impl PgStore {
     pub async fn open(url: &str, cipher: SharedCipher) -> StoreResult<PgStore> {
-        // A dead or hung database must turn into 503 store_unavailable within seconds.
-        // Every hot statement here finds its rows by key through an index; the batched ones
-        // join a few `UNNEST`ed keys to `idem_keys`. On a table whose statistics lag its
-        // growth (a new store, a burst) the planner scanned every key for those instead (a
-        // hash join, or a loop over a sequential scan): 5–8 ms a batch at 20k keys, growing
-        // with the table, in prepared plans kept until the next ANALYZE. So the store's
-        // connections plan only index lookups (a query with no index still scans), and plan
-        // each prepared statement once: re-planning the batched statements on every
-        // execution (PostgreSQL's default for statements over arrays) was a sixth of its CPU.
-        let opts = PgConnectOptions::from_str(url)?.options([
-            ("statement_timeout", "5000"),
-            ("plan_cache_mode", "force_generic_plan"),
-            ("enable_seqscan", "off"),
-            ("enable_hashjoin", "off"),
-            ("enable_mergejoin", "off"),
-        ]);
-        let lazy_pool = PgPoolOptions::new()
-            .max_connections(LAZY_CONNECTIONS)
-            .min_connections(0)
-            .test_before_acquire(false)
-            .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
-            .acquire_timeout(Duration::from_secs(3))
-            .connect_lazy_with(opts.clone().options([("synchronous_commit", "off")]));
-        let pool = PgPoolOptions::new()
-            .max_connections(32 - LAZY_CONNECTIONS)
-            .min_connections(2)
-            // sqlx's default pings every connection as it leaves the pool: a round trip (and a
-            // backend woken) per statement. Only a connection idle for a while is pinged (a
-            // dead one is closed and another taken): a database restart or a firewall's idle
-            // timeout kills idle connections, and a statement that met one would fail —
-            // for an outcome, after the upstream answered, leaving its key unknown. Under
-            // load connections are never idle that long, so they are never pinged.
-            .test_before_acquire(false)
-            .before_acquire(|conn, meta| Box::pin(ping_if_idle(conn, meta)))
-            .acquire_timeout(Duration::from_secs(3))
-            // Reservations and completions are durable before anyone acts on them, whatever
-            // the server, role, database or URL defaults to: a `synchronous_commit = off`
-            // there would make a reservation lazy, and a database crash after the forward
-            // would lose it (the retry forwarded again). Set last, it wins over the URL's.
-            .connect_with(opts.options([("synchronous_commit", "on")]))
-            .await?;
+        let (pool, lazy_pool) = pools(url).await?;
         sqlx::migrate!("migrations/postgres").run(&pool).await?;
         let hub = Arc::new(Hub::default());
         let mut listener = PgListener::connect_with(&pool).await?;
         listener.listen(CHANNEL).await?;
         let listener = tokio::spawn(listen(listener, hub.clone()));
-        let clock = Clock::default();
-        clock.measure(&pool).await?;
-        let clock_task = {
-            let (clock, pool) = (clock.clone(), pool.clone());
-            tokio::spawn(async move {
-                loop {
-                    tokio::time::sleep(Duration::from_secs(60)).await;
-                    let _ = clock.measure(&pool).await;
-                }
-            })
-        };
-        let gets = {
-            let (clock, cipher) = (clock.clone(), cipher.clone());
-            batch::Batcher::start(batch::IN_FLIGHT, pool.clone(), move |mut conn, ids| {
-                let (clock, cipher) = (clock.clone(), cipher.clone());
-                async move {
-                    let out = batched::get_many(&mut conn, &clock, cipher.as_deref(), ids).await;
-                    (Some(conn), out)
-                }
-            })
-        };
-        let reserves = {
-            let (clock, cipher) = (clock.clone(), cipher.clone());
-            batch::Batcher::start(batch::IN_FLIGHT, pool.clone(), move |mut conn, rs| {
-                let (clock, cipher) = (clock.clone(), cipher.clone());
-                async move {
-                    let out = batched::reserve_many(&mut conn, &clock, cipher.as_deref(), rs).await;
-                    // A statement that failed part-way leaves some requests reserved and the
-                    // rest with its error: the connection is not kept either way.
-                    let clean = matches!(&out, Ok(each) if each.iter().all(Result::is_ok));
-                    (clean.then_some(conn), out)
-                }
-            })
-        };
-        // One batch of outcomes at a time: most callers were answered before their outcome
-        // commits (`store.answer_before_commit`), so larger, fewer statements cost them
-        // nothing (A/B at 64 connections: ~4% more first writes/s than two in flight).
-        let finishes = outcomes(&pool, &clock, batched::Commit::Session);
-        // The same for outcomes whose callers were answered, but a batch of one commits
-        // without waiting for its WAL flush. Alone, that flush was what the next reservation's
-        // queued behind: a lone client's first write waited for two flushes, not one. A larger
-        // batch (concurrent first writes) waits for its flush, which it shares with the
-        // reservations' flushes, while the next batch gathers; committed lazily, batches
-        // shrank, and first writes/s at 64 connections fell by 5%.
-        let answered = outcomes(&pool, &clock, batched::Commit::Lazy);
-        // Takes as many in flight as reservations, releases one batch at a time: connections
-        // of the lazy pool that its kept connections leave for them.
-        let takes = batch::Batcher::start(
-            batch::IN_FLIGHT,
-            lazy_pool.clone(),
-            |mut conn, ts| async move {
-                let (clean, out) = leases::take_many(&mut conn, ts).await;
-                (clean.then_some(conn), out)
-            },
-        );
-        let releases = batch::Batcher::start(1, lazy_pool.clone(), |mut conn, rs| async move {
-            let out = leases::release_many(&mut conn, rs).await;
-            (out.is_ok().then_some(conn), out)
-        });
+        let (clock, clock_task) = Clock::start(&pool).await?;
+        let batchers = batchers::Batchers::start(&pool, &lazy_pool, &clock, &cipher);
         Ok(PgStore {
             kept: kept::Kept::new(pool.clone(), KEPT_CONNECTIONS),
             lazy: kept::Kept::new(
@@ -244,12 +202,7 @@ impl PgStore {
             ),
             lazy_pool,
             pool,
-            gets,
-            reserves,
-            finishes,
-            answered,
-            takes,
-            releases,
+            batchers,
             hub,
             listener,
             clock,
@@ -257,31 +210,6 @@ impl PgStore {
             cipher,
         })
     }
-}
-
-/// A batcher of outcomes without entity effects, one batch at a time on `pool`: a batch of
-/// one commits as `alone` says, larger ones as the session does.
-fn outcomes(
-    pool: &PgPool,
-    clock: &Clock,
-    alone: batched::Commit,
-) -> batch::Batcher<batched::Finishing, bool> {
-    let clock = clock.clone();
-    batch::Batcher::start(1, pool.clone(), move |mut conn, fs| {
-        let clock = clock.clone();
-        async move {
-            let commit = match fs.len() {
-                1 => alone,
-                _ => batched::Commit::Session,
-            };
-            let several = fs.len() > 1;
-            let out = batched::finish_many(&mut conn, &clock, fs, commit).await;
-            if several {
-                crate::fault::point(crate::fault::Point::PgOutcomeBatch);
-            }
-            (Some(conn), out)
-        }
-    })
 }
 
 /// Connections of the lazily durable pool (see `PgStore::lazy`), out of the replica's 32.
@@ -345,12 +273,7 @@ impl Store for PgStore {
         self.listener.abort();
         self.clock_task.abort();
         // The batchers keep connections; the pool closes once they are back.
-        self.gets.close().await;
-        self.reserves.close().await;
-        self.finishes.close().await;
-        self.answered.close().await;
-        self.takes.close().await;
-        self.releases.close().await;
+        self.batchers.close().await;
         self.kept.release_all();
         self.lazy.release_all();
         self.lazy_pool.close().await;
