@@ -41,6 +41,10 @@ scope_secret = \"bench-secret-0123456789abcdef0123456789\"" > "$WORK/proxy.toml"
 else
   proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$WORK/idemproxy.db\"" > "$WORK/proxy.toml"
 fi
+# STORE_EXTRA adds lines to the [store] table of both, e.g. STORE_EXTRA='answer_before_commit = true'.
+if [ -n "${STORE_EXTRA:-}" ]; then
+  sed -i "/^\[store\]$/a $STORE_EXTRA" "$WORK/proxy.toml"
+fi
 
 # cpu_us PID: CPU time of every thread of PID so far, in µs (and of every postgres process).
 cpu_us() {
