@@ -27,31 +27,12 @@ use common::retries::*;
 use common::*;
 
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
 use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use tokio::sync::Notify;
 
 /// Concurrent callers: enough that the store batches their writes.
 const CALLERS: usize = 8;
-
-fn faults_binary() -> Option<PathBuf> {
-    let bin = std::env::var_os("IDEMPROXY_FAULTS_BIN")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/idemproxy-faults")
-        });
-    if bin.is_file() {
-        return Some(bin);
-    }
-    let msg = format!(
-        "FAULT-POINT TESTS SKIPPED: no {} (cargo build --features faults && cp target/debug/idemproxy target/idemproxy-faults)",
-        bin.display()
-    );
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
-    eprintln!("\n!!!!!!!! {msg} !!!!!!!!\n");
-    None
-}
 
 /// What the keys sent came to, after the kill at `spec` (`point:n`: its `n`-th hit, so that
 /// callers were answered before it), a restart and a retry of each.

@@ -26,10 +26,7 @@ impl SmallDisk {
             .is_ok_and(|s| s.success());
         if !ok {
             let msg = "SQLite disk-full test SKIPPED: cannot mount a tmpfs here (needs root)";
-            if std::env::var("CI").is_ok_and(|v| v == "true") {
-                panic!("{msg} (CI=true: this is a failure)");
-            }
-            eprintln!("\n!!!!! {msg} !!!!!\n");
+            skip_loudly(msg);
             return None;
         }
         Some(SmallDisk { path })

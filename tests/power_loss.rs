@@ -44,9 +44,7 @@ fn shim(dir: &Path) -> Option<PathBuf> {
     if built {
         return Some(out);
     }
-    let msg = "POWER-LOSS TESTS SKIPPED: no C compiler (cc) to build tests/power_loss/shim.c";
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
-    eprintln!("\n!!!!!!!! {msg} !!!!!!!!\n");
+    skip_loudly("POWER-LOSS TESTS SKIPPED: no C compiler (cc) to build tests/power_loss/shim.c");
     None
 }
 
@@ -157,19 +155,6 @@ async fn power_cut(bin: &Path, env: &[(&str, &str)]) -> Option<Cut> {
         lost.len()
     );
     Some((twice, lost, cut))
-}
-
-/// The build with fault points, or a loud skip (a failure under `CI=true`).
-fn faults_binary() -> Option<PathBuf> {
-    let bin = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/idemproxy-faults");
-    if bin.is_file() {
-        return Some(bin);
-    }
-    let msg =
-        "POWER-LOSS FAULT TESTS SKIPPED: no target/idemproxy-faults (see tests/fault_points.rs)";
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "{msg}");
-    eprintln!("\n!!!!!!!! {msg} !!!!!!!!\n");
-    None
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -13,31 +13,26 @@
 //! With no PostgreSQL binaries or no `haproxy`, [`PgPair::start`] and [`HaProxy::start`] say so
 //! loudly and return `None` (the test skips) — except under `CI=true`, where that is a failure.
 
+use super::pg_bin;
 use sqlx::Connection;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 /// How long a server, HAProxy or the replication may take to come up.
 const STARTUP: Duration = Duration::from_secs(30);
 
-/// Says that a test skips, loudly; under `CI=true` that is a failure.
-fn skip(msg: &str) {
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
-        panic!("{msg} (CI=true: this is a failure)");
-    }
-    eprintln!("\n!!!!! {msg} !!!!!\n");
-}
-
 /// Whether both PostgreSQL (with `pg_basebackup`) and `haproxy` are here; says so loudly when
 /// not (a failure under `CI=true`).
 pub fn available() -> bool {
-    if find_bin().is_none() {
-        skip("failover test SKIPPED: no initdb/pg_ctl/pg_basebackup on PATH or under /usr/lib/postgresql/*/bin");
+    if pg_bin::find(&["initdb", "pg_ctl", "pg_basebackup"]).is_none() {
+        super::skip_loudly("failover test SKIPPED: no initdb/pg_ctl/pg_basebackup on PATH or under /usr/lib/postgresql/*/bin");
         return false;
     }
     if find_haproxy().is_none() {
-        skip("failover test SKIPPED: no haproxy on PATH or in /usr/sbin (apt-get install haproxy)");
+        super::skip_loudly(
+            "failover test SKIPPED: no haproxy on PATH or in /usr/sbin (apt-get install haproxy)",
+        );
         return false;
     }
     true
@@ -66,8 +61,8 @@ impl PgPair {
     /// streams (and, when `synchronous`, is the primary's synchronous standby). `None` (loudly)
     /// without PostgreSQL binaries.
     pub async fn start(synchronous: bool) -> Option<PgPair> {
-        let Some(bin) = find_bin() else {
-            skip("failover test SKIPPED: no initdb/pg_ctl/pg_basebackup on PATH or under /usr/lib/postgresql/*/bin");
+        let Some(bin) = pg_bin::find(&["initdb", "pg_ctl", "pg_basebackup"]) else {
+            super::skip_loudly("failover test SKIPPED: no initdb/pg_ctl/pg_basebackup on PATH or under /usr/lib/postgresql/*/bin");
             return None;
         };
         let mut primary = Server::new(bin.clone());
@@ -82,8 +77,7 @@ impl PgPair {
         primary.launch();
 
         let mut standby = Server::new(bin);
-        let out = standby
-            .command("pg_basebackup")
+        let out = pg_bin::command(&standby.bin, "pg_basebackup")
             .args(["-h", "127.0.0.1", "-p", &primary.port.to_string()])
             .args(["-U", "postgres", "-R", "-X", "stream", "-c", "fast", "-D"])
             .arg(&standby.data)
@@ -148,7 +142,7 @@ impl Server {
             .prefix("idemproxy-ha")
             .tempdir()
             .expect("temp dir for PostgreSQL");
-        chown_to_postgres(dir.path());
+        pg_bin::chown_to_postgres(dir.path());
         Server {
             bin,
             data: dir.path().join("data"),
@@ -165,8 +159,7 @@ impl Server {
     }
 
     fn initdb(&self) {
-        let out = self
-            .command("initdb")
+        let out = pg_bin::command(&self.bin, "initdb")
             .args([
                 "--no-sync",
                 "-A",
@@ -209,7 +202,11 @@ impl Server {
                 self.opts
             );
             let log = self.log_path().display().to_string();
-            match self.run(&["start", "-w", "-t", "30", "-o", &opts, "-l", &log]) {
+            match pg_bin::pg_ctl(
+                &self.bin,
+                &self.data,
+                &["start", "-w", "-t", "30", "-o", &opts, "-l", &log],
+            ) {
                 Ok(()) => return,
                 Err(e) if attempt < 3 => {
                     eprintln!("PostgreSQL did not start on port {}: {e}", self.port)
@@ -259,41 +256,9 @@ impl Server {
     }
 
     fn pg_ctl(&self, args: &[&str]) {
-        if let Err(e) = self.run(args) {
+        if let Err(e) = pg_bin::pg_ctl(&self.bin, &self.data, args) {
             panic!("{e}\nserver log:\n{}", self.log());
         }
-    }
-
-    fn run(&self, args: &[&str]) -> Result<(), String> {
-        let out = self
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(&self.data)
-            .args(args)
-            .output()
-            .expect("run pg_ctl");
-        match out.status.success() {
-            true => Ok(()),
-            false => Err(format!(
-                "pg_ctl {args:?} failed: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )),
-        }
-    }
-
-    /// `bin/NAME`, as the postgres user when we are root (initdb refuses root).
-    fn command(&self, name: &str) -> Command {
-        let exe = self.bin.join(name);
-        let mut c = if is_root() {
-            let mut c = Command::new("runuser");
-            c.args(["-u", "postgres", "--"]).arg(exe);
-            c
-        } else {
-            Command::new(exe)
-        };
-        c.stdin(Stdio::null());
-        c
     }
 }
 
@@ -301,7 +266,7 @@ impl Drop for Server {
     fn drop(&mut self) {
         let killed = self.killed.load(std::sync::atomic::Ordering::SeqCst);
         if !killed && self.data.join("postmaster.pid").exists() {
-            let _ = self.run(&["stop", "-m", "immediate", "-w"]);
+            let _ = pg_bin::pg_ctl(&self.bin, &self.data, &["stop", "-m", "immediate", "-w"]);
         }
     }
 }
@@ -325,7 +290,7 @@ impl HaProxy {
     /// without `haproxy`.
     pub async fn start(primary: &Server, backup: &Server) -> Option<HaProxy> {
         let Some(exe) = find_haproxy() else {
-            skip("failover test SKIPPED: no haproxy on PATH or in /usr/sbin (apt-get install haproxy)");
+            super::skip_loudly("failover test SKIPPED: no haproxy on PATH or in /usr/sbin (apt-get install haproxy)");
             return None;
         };
         let dir = tempfile::tempdir().expect("temp dir for HAProxy");
@@ -420,26 +385,6 @@ fn find_haproxy() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-fn find_bin() -> Option<PathBuf> {
-    let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.path().join("bin"))
-                .collect()
-        })
-        .unwrap_or_default();
-    candidates.sort();
-    candidates.reverse();
-    if let Some(path) = std::env::var_os("PATH") {
-        candidates.extend(std::env::split_paths(&path));
-    }
-    candidates.into_iter().find(|d| {
-        ["initdb", "pg_ctl", "pg_basebackup"]
-            .iter()
-            .all(|b| d.join(b).is_file())
-    })
-}
-
 /// The processes whose parent is `pid` (from `/proc/*/stat`).
 fn children_of(pid: u32) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
@@ -456,20 +401,4 @@ fn children_of(pid: u32) -> Vec<u32> {
                 == Some(pid)
         })
         .collect()
-}
-
-fn is_root() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    unsafe { libc::geteuid() == 0 }
-}
-
-fn chown_to_postgres(dir: &Path) {
-    if is_root() {
-        let status = Command::new("chown")
-            .args(["-R", "postgres"])
-            .arg(dir)
-            .status()
-            .expect("chown");
-        assert!(status.success(), "chown {} to postgres", dir.display());
-    }
 }

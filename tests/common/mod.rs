@@ -21,6 +21,7 @@ pub mod client;
 pub mod ha;
 mod message;
 pub mod pg;
+pub mod pg_bin;
 pub mod process;
 pub mod proxy;
 mod raw_upstream;
@@ -38,7 +39,7 @@ pub use client::{
     Resp,
 };
 #[allow(unused_imports)]
-pub use process::ProxyProcess;
+pub use process::{faults_binary, ProxyProcess};
 #[allow(unused_imports)]
 pub use proxy::{TestDir, TestProxy};
 #[allow(unused_imports)]
@@ -131,3 +132,23 @@ entity = "contact:{path.id}"
 key = { header = "", derive = "{header.x-request-id}" }
 version = "{header.x-entity-version}"
 "#;
+
+/// Says that a test skips because something it needs is missing, loudly; under `CI=true`,
+/// where `.ci/run` installs everything, that is a failure.
+pub fn skip_loudly(msg: &str) {
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{msg} (CI=true: this is a failure)"
+    );
+    eprintln!("\n!!!!!!!! {msg} !!!!!!!!\n");
+}
+
+/// Whether `probe` runs and succeeds (a client, SDK or tool is installed); a loud skip naming
+/// `what` otherwise.
+pub fn installed(what: &str, probe: &mut std::process::Command) -> bool {
+    let ok = probe.output().is_ok_and(|o| o.status.success());
+    if !ok {
+        skip_loudly(&format!("SKIPPED: {what} is not installed"));
+    }
+    ok
+}

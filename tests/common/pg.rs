@@ -6,6 +6,7 @@
 //! With no PostgreSQL at all, [`PgServer::start`] says so loudly and returns `None` (the test
 //! skips) — except under `CI=true`, where that is a failure.
 
+use super::pg_bin;
 use sqlx::Connection;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -34,12 +35,9 @@ impl PgServer {
             let url = fresh_database(&base).await;
             return Some(PgServer { url, cluster: None });
         }
-        let Some(bin) = find_bin() else {
+        let Some(bin) = pg_bin::find(&["initdb", "pg_ctl"]) else {
             let msg = "PostgreSQL tests SKIPPED: no IDEMPROXY_TEST_PG_URL and no initdb/pg_ctl on PATH or under /usr/lib/postgresql/*/bin";
-            if std::env::var("CI").is_ok_and(|v| v == "true") {
-                panic!("{msg} (CI=true: this is a failure)");
-            }
-            eprintln!("\n!!!!! {msg} !!!!!\n");
+            super::skip_loudly(msg);
             return None;
         };
         let cluster = Cluster::launch(bin);
@@ -162,7 +160,7 @@ impl Cluster {
             .prefix("idemproxy-pg")
             .tempdir()
             .expect("temp dir for PostgreSQL");
-        chown_to_postgres(dir.path());
+        pg_bin::chown_to_postgres(dir.path());
         let data = dir.path().join("data");
         let port = crate::common::unused_addr().port();
         let c = Cluster {
@@ -171,8 +169,7 @@ impl Cluster {
             port,
             _dir: dir,
         };
-        let out = c
-            .command("initdb")
+        let out = pg_bin::command(&c.bin, "initdb")
             .args([
                 "--no-sync",
                 "-A",
@@ -234,7 +231,7 @@ impl Cluster {
             .join("pg.log");
         let log_arg = log.display().to_string();
         let args = ["start", "-w", "-t", "30", "-o", &opts, "-l", &log_arg];
-        self.run(&args).map_err(|e| {
+        pg_bin::pg_ctl(&self.bin, &self.data, &args).map_err(|e| {
             let tail = std::fs::read_to_string(&log).unwrap_or_default();
             let tail: Vec<&str> = tail.lines().rev().take(5).collect();
             format!("{e}\nserver log, last lines (newest first): {tail:?}")
@@ -242,40 +239,10 @@ impl Cluster {
     }
 
     fn pg_ctl(&self, args: &[&str]) {
-        if let Err(e) = self.run(args) {
+        if let Err(e) = pg_bin::pg_ctl(&self.bin, &self.data, args) {
             if !args.contains(&"immediate") {
                 panic!("{e}");
             }
-        }
-    }
-
-    fn run(&self, args: &[&str]) -> Result<(), String> {
-        let out = self
-            .command("pg_ctl")
-            .arg("-D")
-            .arg(&self.data)
-            .args(args)
-            .output()
-            .expect("run pg_ctl");
-        match out.status.success() {
-            true => Ok(()),
-            false => Err(format!(
-                "pg_ctl {args:?} failed: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            )),
-        }
-    }
-
-    /// `bin/NAME`, as the postgres user when we are root (initdb refuses root).
-    fn command(&self, name: &str) -> Command {
-        let exe = self.bin.join(name);
-        if is_root() {
-            let mut c = Command::new("runuser");
-            c.args(["-u", "postgres", "--"]).arg(exe);
-            c
-        } else {
-            Command::new(exe)
         }
     }
 }
@@ -310,43 +277,6 @@ fn with_database(base: &str, name: &str) -> String {
         None => main,
     };
     format!("{server}/{name}{query}")
-}
-
-fn find_bin() -> Option<PathBuf> {
-    let mut candidates: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .map(|e| e.path().join("bin"))
-                .collect()
-        })
-        .unwrap_or_default();
-    candidates.sort();
-    candidates.reverse();
-    if let Some(path) = std::env::var_os("PATH") {
-        candidates.extend(std::env::split_paths(&path));
-    }
-    candidates
-        .into_iter()
-        .find(|d| d.join("initdb").is_file() && d.join("pg_ctl").is_file())
-}
-
-fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| o.stdout.starts_with(b"0\n") || o.stdout == b"0")
-        .unwrap_or(false)
-}
-
-fn chown_to_postgres(dir: &Path) {
-    if is_root() {
-        let status = Command::new("chown")
-            .args(["-R", "postgres"])
-            .arg(dir)
-            .status()
-            .expect("chown");
-        assert!(status.success(), "chown {} to postgres", dir.display());
-    }
 }
 
 fn signal(pid: u32, sig: &str) {

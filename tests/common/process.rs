@@ -271,3 +271,19 @@ impl Drop for ProxyProcess {
         }
     }
 }
+
+/// The build with fault points (`src/fault.rs`): `IDEMPROXY_FAULTS_BIN`, else
+/// `target/idemproxy-faults`, which `.ci/run` builds; a loud skip when there is none.
+pub fn faults_binary() -> Option<PathBuf> {
+    let bin = std::env::var_os("IDEMPROXY_FAULTS_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("target/idemproxy-faults"));
+    if bin.is_file() {
+        return Some(bin);
+    }
+    super::skip_loudly(&format!(
+        "FAULT TESTS SKIPPED: no {} (cargo build --features faults && cp target/debug/idemproxy target/idemproxy-faults)",
+        bin.display()
+    ));
+    None
+}
