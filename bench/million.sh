@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10's "a million keys" figures, on the SQLite store:
+# The "a million keys" figures, on the SQLite store:
 #   - first-write latency (p99 and max over a window that spans a retention purge) with 10k
 #     and with 1M stored keys (and as many versioned entities, 5% of keys past retention so
 #     the purge has work), at a light load of 4 connections;

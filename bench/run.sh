@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Benchmark: idemproxy beside a plain nginx reverse proxy, both in front of the same static
 # nginx upstream on loopback, in one run, on the SQLite store and (when PostgreSQL 15's
-# binaries are here) on a throwaway local PostgreSQL cluster. Prints the table of issue 10:
+# binaries are here) on a throwaway local PostgreSQL cluster. Prints the table of the speed goals (docs/benchmark.md):
 #   - nginx:        POST through a plain nginx proxy (the baseline),
 #   - replay:       POSTs that all carry one key (every answer a stored replay),
 #   - first write:  POSTs with a fresh key each (reserve durably, forward, store durably),
@@ -23,7 +23,7 @@
 # policy, every response the proxy writes wakes a wrk thread that takes the proxy's core at
 # once (~4k times a second at 64 connections); nginx, one process serving both the baseline
 # proxy and its upstream, is hit far less. In production the clients are not on the proxy's
-# cores, so this shows what the co-located load generator costs; the issue's table is measured
+# cores, so this shows what the co-located load generator costs; the goals' table is measured
 # with the default policy (see docs/benchmark.md, "Rules").
 # STORE_EXTRA adds lines to both proxies' [store] table, e.g.
 #   STORE_EXTRA="encryption_key = \"$(openssl rand -base64 32)\"" bench/run.sh

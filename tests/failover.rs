@@ -1,4 +1,4 @@
-//! A PostgreSQL failover under load (issue 37): a primary with a synchronous standby
+//! A PostgreSQL failover under load: a primary with a synchronous standby
 //! (`synchronous_standby_names = 'standby1'`) behind HAProxy, two `idemproxy serve` replicas
 //! on HAProxy's address, callers sending first writes to both. The primary's machine is lost
 //! (SIGKILL to the postmaster and every backend at once), the standby promoted; HAProxy,

@@ -1,5 +1,5 @@
 //! The third layer, per-entity order (SPEC.md "Request handling" step 4): version fencing,
-//! claims (claim-first) and prechecks, and the booking scenario of the issue — twenty
+//! claims (claim-first) and prechecks, and a booking scenario — twenty
 //! executions racing for one slot, in-process on SQLite and over two replicas on PostgreSQL.
 //! Every test runs the real proxy against a real recording upstream and checks what the
 //! upstream received.
@@ -39,7 +39,7 @@ fn cancel_route() -> &'static str {
 const PRECHECK: &str = "precheck = { method = \"GET\", path = \"/slots/{body.slot_id}\", \
                         expect_status = [200], expect = { \"body.status\" = \"free\" } }";
 
-/// The booking routes of the issue: claim (for `ttl`) and precheck, plus the cancel route.
+/// The booking routes: claim (for `ttl`) and precheck, plus the cancel route.
 fn booking_routes(ttl: &str) -> String {
     let book = book_route(&format!("claim = true\nclaim_ttl = \"{ttl}\"\n{PRECHECK}"));
     format!("{book}\n{}", cancel_route())
@@ -421,7 +421,7 @@ async fn wait_for_waiting(admins: &[String], n: u64) {
     }
 }
 
-/// The issue's scenario: twenty executions (different keys) book one slot at once, spread over
+/// The booking scenario: twenty executions (different keys) book one slot at once, spread over
 /// `mains`; exactly one booking reaches the calendar, the rest get `entity_claimed`; the
 /// winner's retry replays; a cancel frees the slot and the next booking succeeds.
 async fn booking_scenario(
