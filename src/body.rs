@@ -120,6 +120,34 @@ impl BodyPath {
             .collect()
     }
 
+    /// Whether [`BodyPath::set`] would succeed on `root`, without changing (or copying) it:
+    /// every step reaches an object (a missing key is made) or an array index that exists.
+    pub fn settable(&self, root: &Value) -> bool {
+        let Some((last, init)) = self.0.split_last() else {
+            return false;
+        };
+        let mut cur = root;
+        for (n, step) in init.iter().enumerate() {
+            cur = match (step, cur) {
+                (Step::Key(k), Value::Object(m)) => match m.get(k) {
+                    Some(v) => v,
+                    // Made as an empty object: the rest of the path must be keys.
+                    None => return self.0[n + 1..].iter().all(|s| matches!(s, Step::Key(_))),
+                },
+                (Step::Index(i), Value::Array(a)) => match a.get(*i) {
+                    Some(v) => v,
+                    None => return false,
+                },
+                _ => return false,
+            };
+        }
+        match (last, cur) {
+            (Step::Key(_), Value::Object(_)) => true,
+            (Step::Index(i), Value::Array(a)) => *i < a.len(),
+            _ => false,
+        }
+    }
+
     /// Sets the one value the path names, making the objects on its way (a route's `stamp`).
     /// `false` when it cannot: a step meets something other than an object, or an index
     /// past the end, or `[*]` (load refuses stamps through `[*]`).
@@ -312,6 +340,37 @@ fn arrays_from_indices(v: Value) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn settable_says_what_set_does_without_a_copy() {
+        let bodies = [
+            serde_json::json!({"ticket": {"subject": "x"}}),
+            serde_json::json!({"ticket": "text"}),
+            serde_json::json!({"inputs": [{"properties": {}}]}),
+            serde_json::json!({"inputs": []}),
+            serde_json::json!([1, 2]),
+            serde_json::json!("text"),
+        ];
+        let paths = [
+            "ticket.external_id",
+            "ticket.a.b",
+            "inputs[0].properties.key",
+            "inputs[1].properties.key",
+            "missing.deeper.key",
+            "missing[0]",
+            "[1]",
+        ];
+        for body in &bodies {
+            for p in paths {
+                let Ok(path) = BodyPath::parse(p) else {
+                    continue;
+                };
+                let mut copy = body.clone();
+                let set = path.set(&mut copy, Value::Null);
+                assert_eq!(path.settable(body), set, "{p} on {body}");
+            }
+        }
+    }
     use serde_json::json;
 
     #[test]

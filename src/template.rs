@@ -306,6 +306,18 @@ mod tests {
         assert_eq!(t.eval_one(&view(&h, None)).unwrap(), "w1:e1:r:fp");
     }
 
+    /// A caller cannot forge the stamp's mark: `{stamp}` sent in a body value is encoded like
+    /// any value, so only the template's own `{stamp}` is filled in by the reconcile read.
+    #[test]
+    fn a_stamp_mark_in_request_data_stays_encoded() {
+        let t = Template::parse("/t?x={body.x}&s={stamp}").unwrap();
+        let body = json!({"x": "{stamp}"});
+        let h = HeaderMap::new();
+        let url = t.eval_url(&view(&h, Some(&body))).unwrap();
+        assert_eq!(url, "/t?x=%7Bstamp%7D&s={stamp}");
+        assert_eq!(url.matches(STAMP_MARK).count(), 1);
+    }
+
     #[test]
     fn url_values_are_percent_encoded() {
         let t = Template::parse("/slots/{body.id}?x=1").unwrap();

@@ -89,9 +89,15 @@ fn cut_power(log: &Path, db: &Path) -> Vec<(PathBuf, u64, u64)> {
 /// the files cut.
 type Cut = (Vec<String>, Vec<String>, Vec<(PathBuf, u64, u64)>);
 
-/// A power cut of a proxy started from `bin` with `env`: after `ANSWERS` answers, or where a
-/// fault point in `env` kills it.
-async fn power_cut(bin: &Path, env: &[(&str, &str)]) -> Option<Cut> {
+/// When the power goes: after `ANSWERS` answers, or where the process killed itself at the
+/// fault point `IDEMPROXY_FAULT` names.
+enum When {
+    AfterAnswers,
+    AtFaultPoint,
+}
+
+/// A power cut of a proxy started from `bin` with `env`, at `when`.
+async fn power_cut(bin: &Path, env: &[(&str, &str)], when: When) -> Option<Cut> {
     let dir = TestDir::new();
     let shim = shim(dir.path())?;
     let upstream = RecordingUpstream::start().await;
@@ -119,12 +125,9 @@ async fn power_cut(bin: &Path, env: &[(&str, &str)]) -> Option<Cut> {
     let callers: Vec<_> = (0..CALLERS)
         .map(|n| tokio::spawn(caller(url.clone(), format!("cut-{n}"), until.clone())))
         .collect();
-    let killed_itself = env
-        .iter()
-        .any(|(k, v)| *k == "IDEMPROXY_FAULT" && *v != "skip-sync");
-    match killed_itself {
-        true => drop(process.wait().await),
-        false => {
+    match when {
+        When::AtFaultPoint => drop(process.wait().await),
+        When::AfterAnswers => {
             until.1.notified().await;
             process.kill().await;
         }
@@ -160,7 +163,7 @@ async fn power_cut(bin: &Path, env: &[(&str, &str)]) -> Option<Cut> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_power_cut_forwards_nothing_twice_and_loses_no_answer() {
     let bin = Path::new(env!("CARGO_BIN_EXE_idemproxy"));
-    let Some((twice, lost, _)) = power_cut(bin, &[]).await else {
+    let Some((twice, lost, _)) = power_cut(bin, &[], When::AfterAnswers).await else {
         return;
     };
     assert!(twice.is_empty(), "forwarded twice: {twice:?}");
@@ -174,7 +177,12 @@ async fn a_power_cut_before_a_sync_forwards_nothing_twice_and_loses_no_answer() 
     let Some(bin) = faults_binary() else {
         return;
     };
-    let Some((twice, lost, cut)) = power_cut(&bin, &[("IDEMPROXY_FAULT", "before-sync:60")]).await
+    let Some((twice, lost, cut)) = power_cut(
+        &bin,
+        &[("IDEMPROXY_FAULT", "before-sync:60")],
+        When::AtFaultPoint,
+    )
+    .await
     else {
         return;
     };
@@ -190,7 +198,13 @@ async fn a_power_cut_catches_a_writer_that_acknowledges_before_its_sync() {
         return;
     };
     // Not a kill: the proxy runs on, and the test cuts the power after `ANSWERS` answers.
-    let Some((twice, lost, _)) = power_cut(&bin, &[("IDEMPROXY_FAULT", "skip-sync")]).await else {
+    let Some((twice, lost, _)) = power_cut(
+        &bin,
+        &[("IDEMPROXY_FAULT", "skip-sync")],
+        When::AfterAnswers,
+    )
+    .await
+    else {
         return;
     };
     assert!(

@@ -238,10 +238,7 @@ pub fn prepare(
             .as_ref()
             .is_some_and(|b| field.values(b).iter().any(|v| !v.is_null()));
         stamped = !theirs;
-        let mut probe = parsed.clone().filter(|_| kind == BodyKind::Json);
-        let fits = probe
-            .as_mut()
-            .is_some_and(|b| field.set(b, Value::String(String::new())));
+        let fits = kind == BodyKind::Json && parsed.as_ref().is_some_and(|b| field.settable(b));
         if !fits {
             return Err(ProxyError::new(
                 ErrorKind::BodyInvalid,
