@@ -159,25 +159,7 @@ impl Server {
     }
 
     fn initdb(&self) {
-        let out = pg_bin::command(&self.bin, "initdb")
-            .args([
-                "--no-sync",
-                "-A",
-                "trust",
-                "-U",
-                "postgres",
-                "-E",
-                "UTF8",
-                "-D",
-            ])
-            .arg(&self.data)
-            .output()
-            .expect("run initdb");
-        assert!(
-            out.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        pg_bin::initdb(&self.bin, &self.data);
     }
 
     fn append(&self, file: &str, text: &str) {

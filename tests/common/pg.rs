@@ -169,25 +169,7 @@ impl Cluster {
             port,
             _dir: dir,
         };
-        let out = pg_bin::command(&c.bin, "initdb")
-            .args([
-                "--no-sync",
-                "-A",
-                "trust",
-                "-U",
-                "postgres",
-                "-E",
-                "UTF8",
-                "-D",
-            ])
-            .arg(&c.data)
-            .output()
-            .expect("run initdb");
-        assert!(
-            out.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        pg_bin::initdb(&c.bin, &c.data);
         c
     }
 

@@ -73,3 +73,26 @@ pub fn pg_ctl(bin: &Path, data: &Path, args: &[&str]) -> Result<(), String> {
         )),
     }
 }
+
+/// A new cluster in `data`: trust authentication, superuser `postgres`, UTF-8.
+pub fn initdb(bin: &Path, data: &Path) {
+    let out = command(bin, "initdb")
+        .args([
+            "--no-sync",
+            "-A",
+            "trust",
+            "-U",
+            "postgres",
+            "-E",
+            "UTF8",
+            "-D",
+        ])
+        .arg(data)
+        .output()
+        .expect("run initdb");
+    assert!(
+        out.status.success(),
+        "initdb failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
