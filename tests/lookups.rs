@@ -74,7 +74,12 @@ async fn concurrent_lookups_of_one_key_on_postgres_all_find_it() {
         effects: Default::default(),
     };
     assert!(writer
-        .finish(&id("dup"), epoch, completed)
+        .finish(
+            &id("dup"),
+            epoch,
+            completed,
+            idemproxy::store::When::Durable
+        )
         .await
         .expect("finish"));
     // Another store (another replica: an empty replay cache), sixteen look-ups at once.

@@ -280,7 +280,10 @@ async fn credential_scopes_are_keyed_and_an_upgrade_keeps_old_keys() {
             expires_at: idemproxy::store::now_ms() + 3_600_000,
             effects: Default::default(),
         };
-        assert!(store.finish(&id, epoch, done).await.expect("finish"));
+        assert!(store
+            .finish(&id, epoch, done, idemproxy::store::When::Durable)
+            .await
+            .expect("finish"));
         store.close().await;
     }
     let proxy = TestProxy::start_in(dir, &config(&upstream, "", "", CHARGES)).await;

@@ -93,7 +93,15 @@ async fn suite(s: Arc<dyn Store>) {
     );
 
     // Completing stores the answer byte for byte; a stale epoch is fenced off.
-    assert!(!s.finish(&id("k1"), e1 + 1, Finish::Unknown).await.unwrap());
+    assert!(!s
+        .finish(
+            &id("k1"),
+            e1 + 1,
+            Finish::Unknown,
+            idemproxy::store::When::Durable
+        )
+        .await
+        .unwrap());
     assert!(s.renew(&id("k1"), e1, LONG).await.unwrap());
     assert!(s
         .finish(
@@ -103,12 +111,20 @@ async fn suite(s: Arc<dyn Store>) {
                 response: answer(1).into(),
                 expires_at: far,
                 effects: Default::default(),
-            }
+            },
+            idemproxy::store::When::Durable
         )
         .await
         .unwrap());
     assert!(
-        !s.finish(&id("k1"), e1, Finish::Unknown).await.unwrap(),
+        !s.finish(
+            &id("k1"),
+            e1,
+            Finish::Unknown,
+            idemproxy::store::When::Durable
+        )
+        .await
+        .unwrap(),
         "finish twice"
     );
     assert!(
@@ -135,7 +151,15 @@ async fn suite(s: Arc<dyn Store>) {
             .await
             .unwrap(),
     );
-    assert!(s.finish(&id("k2"), e2, Finish::Released).await.unwrap());
+    assert!(s
+        .finish(
+            &id("k2"),
+            e2,
+            Finish::Released,
+            idemproxy::store::When::Durable
+        )
+        .await
+        .unwrap());
     let e2b = owned(
         s.reserve(reservation("k2", "fp", LONG, false))
             .await
@@ -143,7 +167,14 @@ async fn suite(s: Arc<dyn Store>) {
     );
     assert!(e2b > e2, "a new reservation bumps the epoch");
     assert!(
-        !s.finish(&id("k2"), e2, Finish::Unknown).await.unwrap(),
+        !s.finish(
+            &id("k2"),
+            e2,
+            Finish::Unknown,
+            idemproxy::store::When::Durable
+        )
+        .await
+        .unwrap(),
         "the old epoch is fenced"
     );
     assert_eq!(s.get(&id("k2")).await.unwrap().unwrap().attempts, 2);
@@ -162,7 +193,15 @@ async fn suite(s: Arc<dyn Store>) {
         panic!("k6 is new")
     };
     assert_eq!(a6, Reserved::NEW_ACTION);
-    assert!(s.finish(&id("k6"), e6, Finish::Unknown).await.unwrap());
+    assert!(s
+        .finish(
+            &id("k6"),
+            e6,
+            Finish::Unknown,
+            idemproxy::store::When::Durable
+        )
+        .await
+        .unwrap());
     let taken = s
         .reserve(reservation("k6", "fp", LONG, true))
         .await
@@ -180,7 +219,10 @@ async fn suite(s: Arc<dyn Store>) {
         expires_at: store::now_ms() - 1,
         effects: Default::default(),
     };
-    assert!(s.finish(&id("k6"), e6b, done).await.unwrap());
+    assert!(s
+        .finish(&id("k6"), e6b, done, idemproxy::store::When::Durable)
+        .await
+        .unwrap());
     let next = action(
         s.reserve(reservation("k6", "fp", LONG, false))
             .await
@@ -191,7 +233,15 @@ async fn suite(s: Arc<dyn Store>) {
         "an expired key's next reservation is a new action"
     );
     let e6c = s.get(&id("k6")).await.unwrap().unwrap().epoch;
-    assert!(s.finish(&id("k6"), e6c, Finish::Released).await.unwrap());
+    assert!(s
+        .finish(
+            &id("k6"),
+            e6c,
+            Finish::Released,
+            idemproxy::store::When::Durable
+        )
+        .await
+        .unwrap());
     let after_release = action(
         s.reserve(reservation("k6", "fp", LONG, false))
             .await
@@ -208,7 +258,15 @@ async fn suite(s: Arc<dyn Store>) {
             .await
             .unwrap(),
     );
-    assert!(s.finish(&id("k3"), e3, Finish::Unknown).await.unwrap());
+    assert!(s
+        .finish(
+            &id("k3"),
+            e3,
+            Finish::Unknown,
+            idemproxy::store::When::Durable
+        )
+        .await
+        .unwrap());
     assert_eq!(
         existing(
             s.reserve(reservation("k3", "fp", LONG, false))
@@ -274,7 +332,15 @@ async fn suite(s: Arc<dyn Store>) {
             .await
             .unwrap(),
     );
-    assert!(s.finish(&id("k5"), e5, Finish::Unknown).await.unwrap());
+    assert!(s
+        .finish(
+            &id("k5"),
+            e5,
+            Finish::Unknown,
+            idemproxy::store::When::Durable
+        )
+        .await
+        .unwrap());
     assert_eq!(s.release_key("k5").await.unwrap(), 1);
     assert_eq!(
         s.get(&id("k5")).await.unwrap().unwrap().state,
@@ -352,7 +418,8 @@ async fn ordered_suite(s: Arc<dyn Store>) {
                 response: answer(1).into(),
                 expires_at: far,
                 effects
-            }
+            },
+            idemproxy::store::When::Durable
         )
         .await
         .unwrap());
@@ -396,7 +463,8 @@ async fn ordered_suite(s: Arc<dyn Store>) {
                 response: answer(2).into(),
                 expires_at: far,
                 effects: stale
-            }
+            },
+            idemproxy::store::When::Durable
         )
         .await
         .unwrap());
@@ -425,7 +493,8 @@ async fn ordered_suite(s: Arc<dyn Store>) {
                 response: answer(3).into(),
                 expires_at: far,
                 effects: release
-            }
+            },
+            idemproxy::store::When::Durable
         )
         .await
         .unwrap());
@@ -476,7 +545,8 @@ async fn ordered_suite(s: Arc<dyn Store>) {
                 response: answer(4).into(),
                 expires_at: 1,
                 effects: Default::default()
-            }
+            },
+            idemproxy::store::When::Durable
         )
         .await
         .unwrap());
@@ -504,7 +574,10 @@ async fn ordered_suite(s: Arc<dyn Store>) {
         expires_at: far,
         effects: claim,
     };
-    assert!(s.finish(&id("lapsing"), e, done).await.unwrap());
+    assert!(s
+        .finish(&id("lapsing"), e, done, idemproxy::store::When::Durable)
+        .await
+        .unwrap());
     s.unlock_entities(&held, "test-owner").await.unwrap();
     assert_eq!(s.find_entities("slot:lapsed").await.unwrap().len(), 1);
     assert!(s.purge(500, 0).await.unwrap() >= 2);
@@ -826,7 +899,10 @@ async fn concurrent_suite(s: Arc<dyn Store>) {
                 expires_at: far,
                 effects: Default::default(),
             };
-            let stored = s.finish(&id(&k), e, done).await.unwrap();
+            let stored = s
+                .finish(&id(&k), e, done, idemproxy::store::When::Durable)
+                .await
+                .unwrap();
             (k, stale, stored)
         }));
     }
@@ -906,7 +982,10 @@ async fn sqlite_applies_an_outcome_with_its_effects_whole_or_not_at_all() {
         effects: Default::default(),
     };
     let (fx, ok) = (id("fx"), id("ok"));
-    let (failed, fine) = tokio::join!(s.finish(&fx, e, with_effects), s.finish(&ok, other, plain));
+    let (failed, fine) = tokio::join!(
+        s.finish(&fx, e, with_effects, idemproxy::store::When::Durable),
+        s.finish(&ok, other, plain, idemproxy::store::When::Durable)
+    );
     assert!(failed.is_err(), "the effect failed: {failed:?}");
     assert!(fine.unwrap(), "the other outcome in the batch stands");
     let rec = s.get(&id("fx")).await.unwrap().unwrap();

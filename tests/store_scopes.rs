@@ -61,7 +61,12 @@ async fn write(s: &Arc<dyn Store>, scope: &str, key: &str, entities: &[&str], ve
         effects,
     };
     assert!(s
-        .finish(&id(scope, key), epoch, done)
+        .finish(
+            &id(scope, key),
+            epoch,
+            done,
+            idemproxy::store::When::Durable
+        )
         .await
         .expect("finish"));
     s.unlock_entities(&leases, "owner").await.expect("unlock");

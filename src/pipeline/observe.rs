@@ -12,15 +12,13 @@
 //! answer this process cannot decrypt counts as such a failure (and in
 //! `idemproxy_decrypt_failures_total`): enforce mode answers it `503`, observe mode forwards.
 
+use super::outcome::outcome_of;
 use super::{checks, forward, lock, store, Ctx, Outcome};
 use crate::config::Upstream;
 use crate::error::ProxyError;
 use crate::store::{now_ms, KeyRecord, KeyState, Reserved};
 use crate::upstream::ProxyBody;
 use http::Response;
-
-/// The answer header that says what enforce mode would have done.
-pub const OBSERVED_HEADER: &str = "idemproxy-observed";
 
 /// A request enforce mode would refuse before reading its body (a malformed key header):
 /// streamed through as is, the refusal recorded as what enforce mode would have done.
@@ -30,15 +28,12 @@ pub(super) async fn passthrough(
     target: &crate::upstream::Target<'_>,
     req: http::Request<hyper::body::Incoming>,
 ) -> crate::error::ProxyResult<Response<ProxyBody>> {
-    let would = refused.kind.as_str();
     let mut resp = crate::upstream::passthrough(&ctx.client, target, req).await?;
-    ctx.observed = Some(would);
+    ctx.observed = Some(refused.kind.as_str());
     ctx.upstream_status = Some(resp.status().as_u16());
-    resp.headers_mut()
-        .insert(OBSERVED_HEADER, http::HeaderValue::from_static(would));
-    ctx.finished = true;
-    ctx.record(&format!("observed:{would}"));
-    ctx.state.stats.on_observed(&ctx.route.name, would);
+    ctx.show_observed(resp.headers_mut());
+    let observed = ctx.observation().unwrap_or_default();
+    ctx.conclude(&observed);
     Ok(resp)
 }
 
@@ -73,7 +68,7 @@ pub(super) async fn run(
         }
         ctx.observed = Some(e.kind.as_str());
         let called = forward::plain(&mut ctx).await;
-        let outcome = store::outcome_of(&mut ctx, called);
+        let outcome = outcome_of(&mut ctx, called);
         return ctx.finish(outcome);
     }
     let (would, reserve) = look(&mut ctx).await;
@@ -103,7 +98,7 @@ pub(super) async fn run(
     };
     let outcome = match owned {
         true => store::stored(&mut ctx, called).await,
-        false => store::outcome_of(&mut ctx, called),
+        false => outcome_of(&mut ctx, called),
     };
     ctx.finish(outcome)
 }

@@ -1,10 +1,11 @@
-//! How a protected request ended, typed: the one value its audit row, its metrics and its
-//! answer are all written from, in [`Ctx::finish`].
+//! How a protected request ended, typed: the one value its audit row, its metrics, its answer
+//! and what becomes of its key and entities (SPEC's outcome table: [`finish_of`]) are all
+//! written from. Observe mode's mark — what enforce mode would have done — is made here too.
 
 use super::Ctx;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
-use crate::store::{after_ms, now_ms, AuditRow, StoredResponse};
-use crate::upstream::{full, PrefixedBody, ProxyBody};
+use crate::store::{after_ms, now_ms, AuditRow, Effects, Finish, StoredResponse, OMITTED_BODY};
+use crate::upstream::{full, Called, PrefixedBody, ProxyBody};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::BodyExt;
 use std::sync::Arc;
@@ -17,6 +18,9 @@ const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-repl
 
 /// On an answer that is the reconcile read's (the write's own answer was lost).
 pub const RECONCILED_HEADER: &str = "idemproxy-reconciled";
+
+/// On an observe-mode answer: what enforce mode would have done (see `super::observe`).
+pub const OBSERVED_HEADER: &str = "idemproxy-observed";
 
 /// How a protected request ended.
 pub enum Outcome {
@@ -91,12 +95,24 @@ impl Ctx {
         if matches!(outcome, Outcome::Replayed(_)) {
             self.state.stats.on_replay();
         }
-        match self.observed {
-            Some(would) => {
-                self.state.stats.on_observed(&self.route.name, would);
-                format!("observed:{would}").into()
-            }
+        match self.observation() {
+            Some(observed) => observed.into(),
             None => outcome.decision().into(),
+        }
+    }
+
+    /// In observe mode, the audit decision `observed:<would>`, counted in
+    /// `idemproxy_observed_total`; `None` in enforce mode.
+    pub(super) fn observation(&self) -> Option<String> {
+        let would = self.observed?;
+        self.state.stats.on_observed(&self.route.name, would);
+        Some(format!("observed:{would}"))
+    }
+
+    /// In observe mode, `Idemproxy-Observed: <would>` on the caller's answer.
+    pub(super) fn show_observed(&self, headers: &mut HeaderMap) {
+        if let Some(would) = self.observed {
+            headers.insert(OBSERVED_HEADER, HeaderValue::from_static(would));
         }
     }
 
@@ -129,12 +145,7 @@ impl Ctx {
             }
         };
         answer.map(|mut resp| {
-            if let Some(would) = self.observed {
-                resp.headers_mut().insert(
-                    super::observe::OBSERVED_HEADER,
-                    HeaderValue::from_static(would),
-                );
-            }
+            self.show_observed(resp.headers_mut());
             resp
         })
     }
@@ -248,4 +259,103 @@ pub(super) fn respond(stored: &StoredResponse, key: &str, replayed: bool) -> Res
         h.insert(RECONCILED_HEADER, HeaderValue::from_static("true"));
     }
     resp
+}
+
+/// What the forward's ending means for the request (nothing stored yet).
+pub(super) fn outcome_of(ctx: &mut Ctx, called: Called) -> Outcome {
+    let released = |status: u16| ctx.upstream.release_statuses.contains(&status);
+    match called {
+        Called::Answer(resp) => {
+            let released = released(resp.status);
+            ctx.upstream_status = Some(resp.status);
+            Outcome::Answered {
+                answer: Answer::Full(Arc::new(resp)),
+                released,
+            }
+        }
+        Called::Oversize { head, body } => {
+            let released = released(head.status);
+            ctx.upstream_status = Some(head.status);
+            Outcome::Answered {
+                answer: Answer::Streamed(Arc::new(head), body),
+                released,
+            }
+        }
+        Called::NotSent(why) => Outcome::NotSent(ProxyError::new(
+            ErrorKind::UpstreamUnreachable,
+            format!("upstream {} unreachable: {why}", ctx.upstream.name),
+        )),
+        Called::Unknown(why) => Outcome::Unknown(ProxyError::new(
+            ErrorKind::UpstreamTimeout,
+            format!("upstream {}: {why}", ctx.upstream.name),
+        )),
+    }
+}
+
+/// What the key's record becomes (SPEC's outcome table): a stored answer and its entity
+/// effects, a release (never sent, or a `release_statuses` status), or an unknown outcome.
+pub(super) fn finish_of(ctx: &Ctx, outcome: &Outcome) -> Finish {
+    let keep_cookie = ctx.upstream.store_set_cookie;
+    let stored = match outcome {
+        Outcome::Reconciled(stored) => stored.for_storage(keep_cookie),
+        Outcome::Unknown(_) => return Finish::Unknown,
+        // Nothing was sent (or a `release_statuses` answer): a retry may be forwarded.
+        Outcome::Answered { released: true, .. }
+        | Outcome::NotSent(_)
+        | Outcome::Replayed(_)
+        | Outcome::Refused(_) => return Finish::Released,
+        Outcome::Answered {
+            answer: Answer::Full(resp),
+            ..
+        } => resp.for_storage(keep_cookie),
+        Outcome::Answered {
+            answer: Answer::Streamed(head, _),
+            ..
+        } => {
+            // The write happened and its status is known: the key is completed, but only its
+            // head is stored, marked, so retries get `answer_too_large`, never a second forward.
+            tracing::warn!(key = %ctx.prepared.id.key, status = head.status, max_answer = ctx.upstream.max_answer, "the answer is over max_answer: streamed to its caller, not stored");
+            let mut stored: StoredResponse = (*head.for_storage(keep_cookie)).clone();
+            stored
+                .headers
+                .push((OMITTED_BODY.into(), bytes::Bytes::from_static(b"1")));
+            Arc::new(stored)
+        }
+    };
+    completed(ctx, stored)
+}
+
+/// A stored answer, kept for the route's retention (or the key's window, when it was derived
+/// from the intent alone), with its entity effects.
+pub(super) fn completed(ctx: &Ctx, stored: Arc<StoredResponse>) -> Finish {
+    let keep = ctx
+        .prepared
+        .window
+        .map_or(ctx.route.retention, |w| w.min(ctx.route.retention));
+    Finish::Completed {
+        effects: effects(ctx, stored.status),
+        response: stored,
+        expires_at: after_ms(keep),
+    }
+}
+
+/// What a successful answer does to the entities: record the version, take or release the
+/// claim. Nothing for other statuses.
+fn effects(ctx: &Ctx, status: u16) -> Effects {
+    if !(200..300).contains(&status) {
+        return Effects::default();
+    }
+    let route = &ctx.route;
+    Effects {
+        entities: ctx.prepared.entities.clone(),
+        version: ctx.prepared.version,
+        claim_until: route.claim.map(after_ms),
+        release_claim: route.release_claim,
+        leases: ctx
+            .leases
+            .as_ref()
+            .map(|l| l.held.clone())
+            .unwrap_or_default(),
+        owner: ctx.state.owner.clone(),
+    }
 }

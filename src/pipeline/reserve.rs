@@ -97,7 +97,7 @@ pub(super) async fn before_retry(ctx: &mut Ctx, wait: Duration) -> Option<Outcom
         Verdict::Found(stored) => {
             // A retry gets what is stored (the read's `Set-Cookie` is not the write's).
             let stored = stored.for_storage(ctx.upstream.store_set_cookie);
-            let finish = store::completed(ctx, stored.clone());
+            let finish = super::outcome::completed(ctx, stored.clone());
             (Outcome::Replayed(stored), finish)
         }
         Verdict::NotFound => match checks::step(ctx).await {
@@ -116,6 +116,6 @@ pub(super) async fn before_retry(ctx: &mut Ctx, wait: Duration) -> Option<Outcom
             (Outcome::Refused(e), Finish::Unknown)
         }
     };
-    store::record(ctx, finish).await;
+    store::record(ctx, finish, false).await;
     Some(outcome)
 }

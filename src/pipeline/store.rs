@@ -9,15 +9,12 @@
 //! the commit leaves: the key unknown (never forwarded again). Answers with entity effects (a
 //! version, a claim) wait for their commit.
 
-use super::outcome::{Answer, Outcome};
+use super::outcome::{finish_of, outcome_of, Answer, Outcome};
 use super::reconcile::{self, Verdict};
 use super::{Ctx, Detached, Reply};
-use crate::error::{ErrorKind, ProxyError};
-use crate::store::{
-    after_ms, Effects, Finish, KeyState, ScopedKey, StoreResult, StoredResponse, OMITTED_BODY,
-};
+use crate::error::ProxyError;
+use crate::store::{Finish, KeyState, ScopedKey, StoreResult, When};
 use crate::upstream::Called;
-use std::sync::Arc;
 use std::time::Duration;
 
 /// Step 7, to the end of the request: answers the caller (at once, or once the outcome is
@@ -25,7 +22,7 @@ use std::time::Duration;
 pub(super) async fn step(mut ctx: Ctx, called: Called, reply: Reply) {
     let (outcome, finish) = decide(&mut ctx, called).await;
     if !answer_first(&ctx, &outcome, &finish) {
-        record(&mut ctx, finish).await;
+        record(&mut ctx, finish, false).await;
         let _ = reply.send(Detached::Finished(ctx.finish(outcome)));
         return;
     }
@@ -36,19 +33,15 @@ pub(super) async fn step(mut ctx: Ctx, called: Called, reply: Reply) {
     ctx.conclude(&decision);
     let _ = reply.send(Detached::Finished(answer));
     match ctx.entity_guards.is_empty() && ctx.leases.is_none() {
-        true => {
-            if let Some(pending) = record_later(&mut ctx, finish) {
-                pending.await;
-            }
-        }
-        false => record(&mut ctx, finish).await,
+        true => record_later(&mut ctx, finish).await,
+        false => record(&mut ctx, finish, true).await,
     }
 }
 
 /// Step 7 in observe mode (which answers after it): the outcome, stored.
 pub(super) async fn stored(ctx: &mut Ctx, called: Called) -> Outcome {
     let (outcome, finish) = decide(ctx, called).await;
-    record(ctx, finish).await;
+    record(ctx, finish, false).await;
     outcome
 }
 
@@ -124,9 +117,9 @@ fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> bool {
 }
 
 /// Stores what became of the key (fenced by our epoch), then lets go of the entity locks and
-/// the key's slot.
-pub(super) async fn record(ctx: &mut Ctx, finish: Finish) {
-    let stored = finish_durably(ctx, finish).await;
+/// the key's slot. `answered`: its caller was answered already, from the replay cache.
+pub(super) async fn record(ctx: &mut Ctx, finish: Finish, answered: bool) {
+    let stored = finish_durably(ctx, finish, answered).await;
     heard(&ctx.state.stats, &ctx.prepared.id, stored);
     ctx.release_entities().await;
     ctx.slot = None;
@@ -142,14 +135,18 @@ const STORE_RETRY_FOR: Duration = Duration::from_secs(5);
 /// [`STORE_RETRY_FOR`] (or the lease, if shorter: past it the key may be another's). A try that failed may have committed all the same (its
 /// acknowledgement lost with the connection): when the next finds the record no longer ours,
 /// the record says whether it holds this outcome at our epoch.
-async fn finish_durably(ctx: &Ctx, finish: Finish) -> StoreResult<bool> {
+async fn finish_durably(ctx: &Ctx, finish: Finish, answered: bool) -> StoreResult<bool> {
     let (store, id, epoch) = (&ctx.state.store, &ctx.prepared.id, ctx.epoch);
     let budget = STORE_RETRY_FOR.min(ctx.state.config.store.lease);
     let started = tokio::time::Instant::now();
     let mut pause = Duration::from_millis(25);
     let mut failed = false;
     loop {
-        match store.finish(id, epoch, finish.clone()).await {
+        let when = match answered {
+            true => When::Answered,
+            false => When::Durable,
+        };
+        match store.finish(id, epoch, finish.clone(), when).await {
             Ok(false) if failed => {
                 let want = match &finish {
                     Finish::Completed { .. } => KeyState::Completed,
@@ -174,8 +171,8 @@ async fn finish_durably(ctx: &Ctx, finish: Finish) -> StoreResult<bool> {
 /// [`record`] of an answer already given, when nothing but the key's slot is held: the store
 /// takes the outcome without this task waiting for it, and the slot is let go once it is
 /// stored, wherever the store hears of that (SQLite: the writer's thread, see
-/// `store::sqlite::engine::deferred`). `Some`: the store handed the write back, to be awaited here.
-fn record_later(ctx: &mut Ctx, finish: Finish) -> Option<crate::store::Pending> {
+/// `store::sqlite::engine::deferred`).
+async fn record_later(ctx: &mut Ctx, finish: Finish) {
     let (stats, id, slot) = (
         ctx.state.stats.clone(),
         ctx.prepared.id.clone(),
@@ -185,8 +182,12 @@ fn record_later(ctx: &mut Ctx, finish: Finish) -> Option<crate::store::Pending> 
         heard(&stats, &id, stored);
         drop(slot);
     });
-    let store = ctx.state.store.clone();
-    store.finish_answered_later(ctx.prepared.id.clone(), ctx.epoch, finish, then)
+    let (id, epoch) = (&ctx.prepared.id, ctx.epoch);
+    let _handed = ctx
+        .state
+        .store
+        .finish(id, epoch, finish, When::Later(then))
+        .await;
 }
 
 /// What a stored outcome's write came to, logged and counted.
@@ -200,104 +201,5 @@ fn heard(stats: &crate::metrics::Stats, id: &ScopedKey, stored: StoreResult<bool
             stats.on_store_error();
             tracing::error!(key = %id.key, error = %e, "could not store the upstream's answer; the key will read as unknown");
         }
-    }
-}
-
-/// What the forward's ending means for the request (nothing stored yet).
-pub(super) fn outcome_of(ctx: &mut Ctx, called: Called) -> Outcome {
-    let released = |status: u16| ctx.upstream.release_statuses.contains(&status);
-    match called {
-        Called::Answer(resp) => {
-            let released = released(resp.status);
-            ctx.upstream_status = Some(resp.status);
-            Outcome::Answered {
-                answer: Answer::Full(Arc::new(resp)),
-                released,
-            }
-        }
-        Called::Oversize { head, body } => {
-            let released = released(head.status);
-            ctx.upstream_status = Some(head.status);
-            Outcome::Answered {
-                answer: Answer::Streamed(Arc::new(head), body),
-                released,
-            }
-        }
-        Called::NotSent(why) => Outcome::NotSent(ProxyError::new(
-            ErrorKind::UpstreamUnreachable,
-            format!("upstream {} unreachable: {why}", ctx.upstream.name),
-        )),
-        Called::Unknown(why) => Outcome::Unknown(ProxyError::new(
-            ErrorKind::UpstreamTimeout,
-            format!("upstream {}: {why}", ctx.upstream.name),
-        )),
-    }
-}
-
-/// What the key's record becomes (SPEC's outcome table): a stored answer and its entity
-/// effects, a release (never sent, or a `release_statuses` status), or an unknown outcome.
-pub(super) fn finish_of(ctx: &Ctx, outcome: &Outcome) -> Finish {
-    let keep_cookie = ctx.upstream.store_set_cookie;
-    let stored = match outcome {
-        Outcome::Reconciled(stored) => stored.for_storage(keep_cookie),
-        Outcome::Unknown(_) => return Finish::Unknown,
-        // Nothing was sent (or a `release_statuses` answer): a retry may be forwarded.
-        Outcome::Answered { released: true, .. }
-        | Outcome::NotSent(_)
-        | Outcome::Replayed(_)
-        | Outcome::Refused(_) => return Finish::Released,
-        Outcome::Answered {
-            answer: Answer::Full(resp),
-            ..
-        } => resp.for_storage(keep_cookie),
-        Outcome::Answered {
-            answer: Answer::Streamed(head, _),
-            ..
-        } => {
-            // The write happened and its status is known: the key is completed, but only its
-            // head is stored, marked, so retries get `answer_too_large`, never a second forward.
-            tracing::warn!(key = %ctx.prepared.id.key, status = head.status, max_answer = ctx.upstream.max_answer, "the answer is over max_answer: streamed to its caller, not stored");
-            let mut stored: StoredResponse = (*head.for_storage(keep_cookie)).clone();
-            stored
-                .headers
-                .push((OMITTED_BODY.into(), bytes::Bytes::from_static(b"1")));
-            Arc::new(stored)
-        }
-    };
-    completed(ctx, stored)
-}
-
-/// A stored answer, kept for the route's retention (or the key's window, when it was derived
-/// from the intent alone), with its entity effects.
-pub(super) fn completed(ctx: &Ctx, stored: Arc<StoredResponse>) -> Finish {
-    let keep = ctx
-        .prepared
-        .window
-        .map_or(ctx.route.retention, |w| w.min(ctx.route.retention));
-    Finish::Completed {
-        effects: effects(ctx, stored.status),
-        response: stored,
-        expires_at: after_ms(keep),
-    }
-}
-
-/// What a successful answer does to the entities: record the version, take or release the
-/// claim. Nothing for other statuses.
-fn effects(ctx: &Ctx, status: u16) -> Effects {
-    if !(200..300).contains(&status) {
-        return Effects::default();
-    }
-    let route = &ctx.route;
-    Effects {
-        entities: ctx.prepared.entities.clone(),
-        version: ctx.prepared.version,
-        claim_until: route.claim.map(after_ms),
-        release_claim: route.release_claim,
-        leases: ctx
-            .leases
-            .as_ref()
-            .map(|l| l.held.clone())
-            .unwrap_or_default(),
-        owner: ctx.state.owner.clone(),
     }
 }

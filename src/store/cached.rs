@@ -25,7 +25,7 @@ pub struct CachedStore {
     /// before its commit (see [`Keys::remember`]).
     reserved: Mutex<HashMap<ScopedKey, (String, Option<u64>), ahash::RandomState>>,
     /// Answers given before their commit, which an operator's read waits for.
-    settling: Settling,
+    settling: Arc<Settling>,
 }
 
 /// What [`CachedStore`] does once an outcome's write is over (see [`CachedStore::settle`]).
@@ -54,24 +54,9 @@ impl CachedStore {
         }
     }
 
-    /// The cache once the outcome's write is over (on whichever thread heard of it).
+    /// The cache once the outcome's write is over.
     fn settle(&self, id: &ScopedKey, plan: Plan, stored: &StoreResult<bool>) {
-        match (stored, plan.completed, plan.fingerprint) {
-            // (An answer remembered before the commit is in already.)
-            (Ok(true), Some((response, expires_at)), Some(fp)) if plan.answered.is_none() => {
-                self.entries.put(id, &fp, response, expires_at);
-            }
-            (Ok(true), ..) => {}
-            // Answered from the cache before a commit that did not store it: the store says
-            // in flight (unknown after a restart), and so must the cache.
-            _ if plan.answered.is_some() => {
-                self.entries.answers.remove(id);
-            }
-            _ => {}
-        }
-        if let Some(n) = plan.answered {
-            self.settling.end(n);
-        }
+        settle(&self.entries, &self.settling, id, plan, stored)
     }
 
     pub fn wrap(inner: Arc<dyn Store>) -> Arc<dyn Store> {
@@ -82,8 +67,34 @@ impl CachedStore {
             inner,
             entries,
             reserved: Mutex::default(),
-            settling: Settling::default(),
+            settling: Arc::default(),
         })
+    }
+}
+
+/// [`CachedStore::settle`], on whichever thread heard of the write.
+fn settle(
+    entries: &Entries,
+    settling: &Settling,
+    id: &ScopedKey,
+    plan: Plan,
+    stored: &StoreResult<bool>,
+) {
+    match (stored, plan.completed, plan.fingerprint) {
+        // (An answer remembered before the commit is in already.)
+        (Ok(true), Some((response, expires_at)), Some(fp)) if plan.answered.is_none() => {
+            entries.put(id, &fp, response, expires_at);
+        }
+        (Ok(true), ..) => {}
+        // Answered from the cache before a commit that did not store it: the store says in
+        // flight (unknown after a restart), and so must the cache.
+        _ if plan.answered.is_some() => {
+            entries.answers.remove(id);
+        }
+        _ => {}
+    }
+    if let Some(n) = plan.answered {
+        settling.end(n);
     }
 }
 
@@ -113,31 +124,29 @@ impl Keys for CachedStore {
         }
         Ok(reserved)
     }
-    async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        let plan = self.plan(id, &outcome);
-        let stored = match plan.answered {
-            Some(_) => self.inner.finish_answered(id, epoch, outcome).await,
-            None => self.inner.finish(id, epoch, outcome).await,
-        };
-        self.settle(id, plan, &stored);
-        stored
-    }
-    fn finish_answered_later(
-        self: Arc<Self>,
-        id: ScopedKey,
+    async fn finish(
+        &self,
+        id: &ScopedKey,
         epoch: i64,
         outcome: Finish,
-        then: AfterCommit,
-    ) -> Option<Pending> {
-        let plan = self.plan(&id, &outcome);
-        let (me, theirs) = (self.clone(), id.clone());
-        let then: AfterCommit = Box::new(move |stored| {
-            me.settle(&theirs, plan, &stored);
-            then(stored)
-        });
-        self.inner
-            .clone()
-            .finish_answered_later(id, epoch, outcome, then)
+        when: When,
+    ) -> StoreResult<bool> {
+        let plan = self.plan(id, &outcome);
+        if let When::Later(then) = when {
+            let (entries, settling) = (self.entries.clone(), self.settling.clone());
+            let theirs = id.clone();
+            let then: AfterCommit = Box::new(move |stored| {
+                settle(&entries, &settling, &theirs, plan, &stored);
+                then(stored)
+            });
+            return self
+                .inner
+                .finish(id, epoch, outcome, When::Later(then))
+                .await;
+        }
+        let stored = self.inner.finish(id, epoch, outcome, when).await;
+        self.settle(id, plan, &stored);
+        stored
     }
     fn remember(&self, id: &ScopedKey, response: &Arc<StoredResponse>, expires_at: i64) -> bool {
         let mut map = self.reserved.lock().unwrap_or_else(|p| p.into_inner());

@@ -173,11 +173,26 @@ pub enum Finish {
     Unknown,
 }
 
-/// Told how a write nobody waits on went (see [`Keys::finish_answered_later`]).
-pub type AfterCommit = Box<dyn FnOnce(StoreResult<bool>) + Send>;
+/// When the caller of [`Keys::finish`] hears that an outcome is stored.
+pub enum When {
+    /// Once it is durable: its caller is answered after.
+    Durable,
+    /// Once it is committed, visible to every reader: its caller was answered already, from the
+    /// replay cache (see [`Keys::remember`]), so nobody acts on it being durable and a store
+    /// may sync it shortly after (SQLite: see `sqlite::engine::job::Heard`; PostgreSQL: an
+    /// asynchronous commit). A crash before that sync leaves the key unknown, as a crash
+    /// before the commit would: never forwarded twice. An outcome with entity effects (a
+    /// version, a claim) is always made durable first.
+    Answered,
+    /// As [`When::Answered`], with nobody waiting: `finish` returns once the store has taken
+    /// the write (`Ok(true)`), and the callback hears how it went. A store that rides the
+    /// write on its next transaction (SQLite) calls it on its writer thread, so it must be
+    /// quick and must not block; others call it before `finish` returns.
+    Later(AfterCommit),
+}
 
-/// A write handed back for its caller to drive.
-pub type Pending = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+/// Told how a write nobody waits on went (see [`When::Later`]).
+pub type AfterCommit = Box<dyn FnOnce(StoreResult<bool>) + Send>;
 
 /// See [`Store::observe_releases`].
 pub type ReleaseObserver = std::sync::Arc<dyn Fn(Option<&str>) + Send + Sync>;
@@ -213,36 +228,16 @@ pub trait Keys: Send + Sync + 'static {
     /// nothing to disk — so a request with nothing to lock or check lets its reservation be its
     /// look-up (see `pipeline::lookup`).
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved>;
-    /// Records the outcome if we still own `epoch`; `false` when fenced off.
-    async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool>;
-    /// [`Keys::finish`] of an outcome whose caller was already answered from the replay cache
-    /// (see [`Keys::remember`]): nobody acts on it being durable, so a store may return once
-    /// it is committed — visible to every reader — and sync it shortly after (SQLite: see
-    /// `sqlite::engine::job::Heard`). A crash before that sync leaves the key unknown, as a crash
-    /// before the commit would; never forwarded twice.
-    async fn finish_answered(
+    /// Records the outcome if we still own `epoch`; `false` when fenced off. `when` says when
+    /// its caller hears of it: once durable, once visible (its caller was answered from the
+    /// replay cache), or later, on a callback, without waiting at all.
+    async fn finish(
         &self,
         id: &ScopedKey,
         epoch: i64,
         outcome: Finish,
-    ) -> StoreResult<bool> {
-        self.finish(id, epoch, outcome).await
-    }
-    /// [`Keys::finish_answered`] that the caller does not wait on: `then` hears how it went.
-    /// A store that takes the write over (SQLite: it rides on the writer's next transaction,
-    /// and `then` runs on the writer's thread once it commits) returns `None`; the default
-    /// returns the write for the caller to drive. `then` must be quick and must not block.
-    fn finish_answered_later(
-        self: std::sync::Arc<Self>,
-        id: ScopedKey,
-        epoch: i64,
-        outcome: Finish,
-        then: AfterCommit,
-    ) -> Option<Pending> {
-        Some(Box::pin(async move {
-            then(self.finish_answered(&id, epoch, outcome).await)
-        }))
-    }
+        when: When,
+    ) -> StoreResult<bool>;
     /// Before [`Keys::finish`] of a key this process reserved: keeps its answer where a retry
     /// finds it at once (the replay cache), so the caller can be answered before the commit.
     /// `false` when it cannot (no cache, or the answer does not fit): answer after the commit.

@@ -81,30 +81,41 @@ impl Keys for PgStore {
     async fn reserve(&self, r: Reservation) -> StoreResult<Reserved> {
         self.batchers.reservations.call(r).await?
     }
-    async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
-        self.finish_columns(id, epoch, c).await
-    }
-    /// An outcome without entity effects may commit asynchronously (`synchronous_commit =
-    /// off`; the batcher does so for a batch of one): visible to every replica at once, on
-    /// disk with the next synchronous commit of any session (every reservation is one) or the
-    /// WAL writer's next flush, within three `wal_writer_delay`s. A database crash before then
-    /// loses it: the key is left in flight and, once its lease lapses, unknown — never
-    /// forwarded again, as when this process dies between the answer and the commit.
-    async fn finish_answered(
+    /// An outcome whose caller was answered already and that has no entity effects commits
+    /// asynchronously (`synchronous_commit = off`; the batcher does so for a batch of one):
+    /// visible to every replica at once, on disk with the next synchronous commit of any
+    /// session (every reservation is one) or the WAL writer's next flush, within three
+    /// `wal_writer_delay`s. A database crash before then loses it: the key is left in flight
+    /// and, once its lease lapses, unknown — never forwarded again, as when this process dies
+    /// between the answer and the commit.
+    async fn finish(
         &self,
         id: &ScopedKey,
         epoch: i64,
         outcome: Finish,
+        when: When,
     ) -> StoreResult<bool> {
-        let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
-        if !c.effects.is_empty() {
-            return self.finish_columns(id, epoch, c).await;
+        let answered = |c: crate::store::FinishColumns| async move {
+            match c.effects.is_empty() {
+                true => {
+                    let batch = (id.clone(), epoch, c);
+                    self.batchers.answered_outcomes.call(batch).await
+                }
+                false => self.finish_columns(id, epoch, c).await,
+            }
+        };
+        let sealed = outcome.into_columns(self.cipher.as_deref(), id, epoch);
+        match when {
+            When::Durable => self.finish_columns(id, epoch, sealed?).await,
+            When::Answered => answered(sealed?).await,
+            When::Later(then) => {
+                match sealed {
+                    Ok(c) => then(answered(c).await),
+                    Err(e) => then(Err(e)),
+                }
+                Ok(true)
+            }
         }
-        self.batchers
-            .answered_outcomes
-            .call((id.clone(), epoch, c))
-            .await
     }
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
         let sql = format!("UPDATE idem_keys SET lease_until = {NOW} + $5 WHERE {IN_FLIGHT_AT}");

@@ -178,21 +178,42 @@ pub fn release_key(ctx: &Tx, key: &str) -> StoreResult<(u64, i64)> {
 }
 
 impl SqliteStore {
-    /// [`Keys::finish`], its caller hearing back as `heard` says — except that an outcome
-    /// with effects (a version, a claim) always waits for its sync: those are never answered
-    /// first. Sealed here, on the request's task, not on the one writer thread (which opens
-    /// only the rare record a reservation finds standing, see `record`).
+    /// [`Keys::finish`]. Sealed here, on the request's task, not on the one writer thread
+    /// (which opens only the rare record a reservation finds standing, see `record`). An
+    /// outcome with effects (a version, a claim) always waits for its sync, whatever `when`
+    /// says: those are never answered first. One nobody waits on rides on the writer's next
+    /// transaction (see `engine::deferred`).
     async fn store_outcome(
         &self,
         id: &ScopedKey,
         epoch: i64,
         outcome: Finish,
-        heard: Heard,
+        when: When,
     ) -> StoreResult<bool> {
-        let columns = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
-        let heard = match columns.effects.is_empty() {
-            true => heard,
-            false => Heard::Synced,
+        let sealed = outcome.into_columns(self.cipher.as_deref(), id, epoch);
+        let (columns, heard) = match (sealed, when) {
+            (Err(e), When::Later(then)) => {
+                then(Err(e));
+                return Ok(true);
+            }
+            (Err(e), _) => return Err(e),
+            (Ok(c), When::Later(then)) if c.effects.is_empty() => {
+                let id = id.clone();
+                self.writer
+                    .finish_later(move |ctx: &Tx| finish(ctx, &id, epoch, &c), then);
+                return Ok(true);
+            }
+            (Ok(c), When::Later(then)) => {
+                let id = id.clone();
+                let done = self
+                    .writer
+                    .write_heard(Heard::Synced, move |ctx| finish(ctx, &id, epoch, &c))
+                    .await;
+                then(done);
+                return Ok(true);
+            }
+            (Ok(c), When::Answered) if c.effects.is_empty() => (c, Heard::Committed),
+            (Ok(c), _) => (c, Heard::Synced),
         };
         let id = id.clone();
         self.writer
@@ -227,45 +248,14 @@ impl Keys for SqliteStore {
         // writes nothing and syncs nothing (see `reserve` above).
         self.writer.write(move |ctx| reserve(ctx, &r)).await
     }
-    async fn finish(&self, id: &ScopedKey, epoch: i64, outcome: Finish) -> StoreResult<bool> {
-        self.store_outcome(id, epoch, outcome, Heard::Synced).await
-    }
-    async fn finish_answered(
+    async fn finish(
         &self,
         id: &ScopedKey,
         epoch: i64,
         outcome: Finish,
+        when: When,
     ) -> StoreResult<bool> {
-        self.store_outcome(id, epoch, outcome, Heard::Committed)
-            .await
-    }
-    fn finish_answered_later(
-        self: std::sync::Arc<Self>,
-        id: ScopedKey,
-        epoch: i64,
-        outcome: Finish,
-        then: AfterCommit,
-    ) -> Option<Pending> {
-        let columns = match outcome.into_columns(self.cipher.as_deref(), &id, epoch) {
-            Ok(columns) => columns,
-            Err(e) => {
-                then(Err(e));
-                return None;
-            }
-        };
-        if !columns.effects.is_empty() {
-            // Never answered first (see `store_outcome`): its caller hears once it is synced.
-            return Some(Box::pin(async move {
-                let done = self
-                    .writer
-                    .write_heard(Heard::Synced, move |ctx| finish(ctx, &id, epoch, &columns))
-                    .await;
-                then(done)
-            }));
-        }
-        let write = move |ctx: &Tx| finish(ctx, &id, epoch, &columns);
-        self.writer.finish_later(write, then);
-        None
+        self.store_outcome(id, epoch, outcome, when).await
     }
     async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
         let id = id.clone();
