@@ -670,3 +670,60 @@ fn explain_shows_the_reconcile_read_and_check_lists_it() {
         "reconcile=GET /crm/v3/objects/contacts/{body.properties.email}?idProperty=email"
     ));
 }
+
+/// `check` and `explain` print settings as the config spells them (`in_flight=reject`,
+/// `unmatched=passthrough`, `error_format=zendesk`), never Rust's spelling of them
+/// (`Reject`, `Passthrough`, `Zendesk`): what an operator reads is what they can paste back.
+#[test]
+fn check_and_explain_print_settings_in_the_configs_own_spelling() {
+    let dir = TestDir::new();
+    let config = charges_config("http://127.0.0.1:9")
+        .replace(
+            "[upstreams.api]\n",
+            "[upstreams.api]\nunmatched = \"passthrough\"\nerror_format = \"zendesk\"\nmode = \"observe\"\n",
+        )
+        .replace(
+            "path = \"/v1/charges\"",
+            "path = \"/v1/charges\"\nin_flight = \"reject\"\nretention = \"90m\"",
+        );
+    let cfg = path_str(&dir.write_config(&config));
+    let out = idemproxy(&["check", "--config", &cfg]);
+    assert_exit(&out, 0);
+    let checked = stdout(&out);
+    let out = idemproxy(&[
+        "explain",
+        "--config",
+        &cfg,
+        "POST",
+        "/api/v1/charges",
+        "-H",
+        "Idempotency-Key: k1",
+        "--body",
+        r#"{"customer":"cus_1"}"#,
+    ]);
+    assert_exit(&out, 0);
+    let explained = stdout(&out);
+    for want in [
+        "unmatched=passthrough",
+        "error_format=zendesk",
+        "in_flight=reject",
+        "mode=observe",
+    ] {
+        assert!(checked.contains(want), "check lacks {want}:\n{checked}");
+    }
+    assert!(
+        explained.contains("in_flight=reject") && explained.contains("mode=observe"),
+        "{explained}"
+    );
+    // No `setting=Value` in Rust's spelling anywhere (an all-caps method list is the config's).
+    for printed in [&checked, &explained] {
+        let debug = printed.split_whitespace().find(|word| {
+            word.split_once('=').is_some_and(|(_, v)| {
+                let mut c = v.chars();
+                c.next().is_some_and(|f| f.is_ascii_uppercase())
+                    && c.next().is_some_and(|s| s.is_ascii_lowercase())
+            })
+        });
+        assert_eq!(debug, None, "{printed}");
+    }
+}
