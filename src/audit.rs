@@ -139,6 +139,9 @@ fn alike(a: &AuditRow, b: &AuditRow) -> bool {
         && a.fingerprint == b.fingerprint
         && a.upstream_status == b.upstream_status
         && a.entities == b.entities
+        && a.scope == b.scope
+        && a.workflow == b.workflow
+        && a.note == b.note
 }
 
 /// Rows of each kind deleted per purge statement: small, so no purge holds the store long.
@@ -210,6 +213,9 @@ mod tests {
             upstream_ms: None,
             expires_at: total_ms,
             requests: 1,
+            scope: None,
+            workflow: None,
+            note: None,
         }
     }
 

@@ -68,8 +68,36 @@ enum Command {
 enum KeysCommand {
     /// Show every record of a key (any upstream or credential scope).
     Show { key: String },
-    /// Make a key forwardable again (resolves an unknown outcome).
-    Release { key: String },
+    /// The write did not happen: make the key forwardable again (settles an unknown outcome).
+    Release {
+        key: String,
+        /// What you checked and found (kept in the audit trail).
+        #[arg(long)]
+        note: Option<String>,
+    },
+    /// The write happened: complete the key with the real answer; retries get it, marked as
+    /// set by an operator, and are never forwarded.
+    Complete {
+        key: String,
+        /// The real answer's HTTP status.
+        #[arg(long)]
+        status: u16,
+        /// A file holding the real answer's body (`-`: standard input).
+        #[arg(long)]
+        body_file: Option<std::path::PathBuf>,
+        /// A header of the answer, `Name: value` (repeatable).
+        #[arg(long = "header", short = 'H')]
+        headers: Vec<String>,
+        /// What you checked and found (kept in the audit trail).
+        #[arg(long)]
+        note: String,
+        /// Which record, when several carry the key: its upstream.
+        #[arg(long)]
+        upstream: Option<String>,
+        /// Which record, when several carry the key: its credential scope (or its short id).
+        #[arg(long)]
+        scope: Option<String>,
+    },
     /// List recent keys.
     List {
         /// Only keys touching this entity.
@@ -297,21 +325,27 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
             }
             None => Err(anyhow::anyhow!("no key {key:?}")),
         },
-        KeysCommand::Release { key } => {
-            // The store tells running proxies: on SQLite a release note the proxy acknowledges
-            // before this returns; on PostgreSQL a NOTIFY every replica hears within moments.
-            let n = store.release_key(&key).await?;
-            println!(
-                "released {n} record(s) of key {:?}",
-                escape_controls(&key, false)
-            );
-            if n == 0 {
-                Err(anyhow::anyhow!(
-                    "nothing to release (no such key, already released, or in flight right now)"
-                ))
-            } else {
-                Ok(())
-            }
+        KeysCommand::Release { key, note } => {
+            crate::cli_settle::release(&config, store.as_ref(), &key, note.as_deref()).await
+        }
+        KeysCommand::Complete {
+            key,
+            status,
+            body_file,
+            headers,
+            note,
+            upstream,
+            scope,
+        } => {
+            let asked = crate::cli_settle::Asked {
+                status,
+                body_file,
+                headers,
+                note,
+                upstream,
+                scope,
+            };
+            crate::cli_settle::complete(&config, store.as_ref(), &key, asked).await
         }
         KeysCommand::List {
             entity,
@@ -332,6 +366,7 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
                     entity,
                     state,
                     limit,
+                    oldest_first: false,
                 })
                 .await?
             {

@@ -60,6 +60,9 @@ pub enum ErrorKind {
     Unauthorized,
     /// Admin API only: the key or entity does not exist.
     NotFound,
+    /// Admin API only: an operator's settlement of a key whose outcome is known, whose call
+    /// may still run, or which several records carry (`409`, with the records).
+    NotSettleable,
 }
 
 impl ErrorKind {
@@ -92,6 +95,7 @@ impl ErrorKind {
             Internal => "internal_error",
             Unauthorized => "unauthorized",
             NotFound => "not_found",
+            NotSettleable => "not_settleable",
         }
     }
 
@@ -105,7 +109,7 @@ impl ErrorKind {
             BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             RequestInProgress | OutcomeUnknown | StaleVersion | EntityClaimed | PrecheckFailed
-            | AnswerTooLarge => StatusCode::CONFLICT,
+            | AnswerTooLarge | NotSettleable => StatusCode::CONFLICT,
             BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             Forbidden => StatusCode::FORBIDDEN,
             Internal => StatusCode::INTERNAL_SERVER_ERROR,
@@ -295,6 +299,7 @@ mod tests {
             (NoRoute, 404),
             (BodyInvalid, 400),
             (BodyTooLarge, 413),
+            (NotSettleable, 409),
             (KeyMissing, 400),
             (KeyInvalid, 400),
             (EntityMissing, 400),

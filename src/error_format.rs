@@ -65,6 +65,7 @@ pub fn advice(kind: ErrorKind) -> &'static str {
         BodyInvalid | BodyTooLarge | BadPath | BadMethod | KeyInvalid | BodyTimeout => "The request was malformed; nothing was applied. Fix it before sending it again.",
         NoRoute | NotFound => "Nothing was found at this address; nothing was applied.",
         Forbidden | Unauthorized => "The request was refused; nothing was applied.",
+        NotSettleable => "Nothing was changed: the key is not waiting to be settled, or several records carry it. Read its records and pick one.",
         Internal => "The proxy failed; a write may have happened. Sending the same request again, unchanged, is safe.",
     }
 }

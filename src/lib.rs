@@ -44,6 +44,9 @@
 //!   `store::id`.
 //! - [`audit`]: the audit trail (batched, off the request path) and retention purging.
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
+//! - [`cli_settle`]: `idemproxy keys release` and `keys complete`.
+//! - [`settle`]: an operator settles a key by hand (release, or complete with the real
+//!   answer), with the entity locks a request takes and an audit row with the note.
 //! - [`metrics`]: counters shared by the pipeline and the admin listener.
 //! - [`error`]: the one error type of the request path and its mapping to JSON responses.
 //! - [`error_format`]: the same errors in the shape of the API behind an upstream (Stripe,
@@ -63,6 +66,7 @@ pub mod admin;
 pub mod audit;
 pub mod body;
 pub mod cli;
+pub mod cli_settle;
 pub mod config;
 pub mod error;
 pub mod error_format;
@@ -79,6 +83,7 @@ pub mod route;
 pub mod router;
 pub mod scope_secret;
 pub mod server;
+pub mod settle;
 pub mod shape;
 pub mod shed;
 pub mod state;

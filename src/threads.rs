@@ -10,7 +10,7 @@
 //! own ([`crate::upstream::client::UpstreamClient`] picks it by [`index`]), so no request's
 //! work hops between threads but for the store's. Measured on 2 cores at 64 concurrent first
 //! writes: 15% more a second than one worker alone on SQLite (a lone client's p50 unchanged),
-//! 10% more on PostgreSQL than two workers (a lone client's 8% faster) (docs/benchmark.md).
+//! 10% more on PostgreSQL than two workers (a lone client's 8% faster) (docs/design-notes.md, "Serving threads and the request path").
 
 use std::cell::Cell;
 use std::sync::atomic::{AtomicUsize, Ordering};

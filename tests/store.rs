@@ -364,6 +364,7 @@ async fn suite(s: Arc<dyn Store>) {
             state: Some(KeyState::Completed),
             entity: Some("customer:2".into()),
             limit: 10,
+            ..KeyFilter::default()
         })
         .await
         .unwrap();
@@ -520,6 +521,9 @@ async fn ordered_suite(s: Arc<dyn Store>) {
         upstream_ms: Some(2),
         expires_at,
         requests: 1,
+        scope: None,
+        workflow: None,
+        note: None,
     };
     s.append_audit(vec![
         row("b1", "forwarded", far),

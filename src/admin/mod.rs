@@ -1,10 +1,16 @@
 //! The admin listener: health, readiness, metrics, and the operator API behind the token.
 //! Never reachable from the main listener (it is a different socket).
+//!
+//! - [`views`]: keys, entities and audit rows as operators see them (JSON).
+//! - [`settle`]: `POST /admin/keys/{key}/release` and `…/complete`.
+
+pub mod settle;
+pub mod views;
+
+pub use views::{audit_json, entity_report, error, json_response, key_report, record_json};
 
 use crate::error::{ErrorKind, ProxyError};
 use crate::state::{AppState, Live};
-use crate::store::seal::ENCRYPTED;
-use crate::store::{now_ms, AuditRow, KeyRecord, Store, StoreResult, StoredAnswer};
 use crate::upstream::{full, ProxyBody};
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
@@ -51,6 +57,9 @@ pub async fn handle(live: Live, req: Request<Incoming>) -> Response<ProxyBody> {
             }
             if (&method, p) == (&Method::POST, "/admin/reload") {
                 return reloaded(&live).await;
+            }
+            if method == Method::POST && (p.ends_with("/complete") || p.ends_with("/release")) {
+                return settling(&state, req).await;
             }
             admin_api(&state, &method, p).await
         }
@@ -143,10 +152,6 @@ async fn admin_api(state: &AppState, method: &Method, path: &str) -> Response<Pr
                 json_response(StatusCode::OK, json!({"entity": entity, "reset": n}))
             })
         }
-        (&Method::POST, ["keys", key, "release"]) => state.store.release_key(key).await.map(|n| {
-            tracing::info!(key, released = n, "key released by the admin API");
-            json_response(StatusCode::OK, json!({"key": key, "released": n}))
-        }),
         _ => Ok(error(ProxyError::new(
             ErrorKind::NotFound,
             format!("no admin endpoint {method} {path}"),
@@ -155,126 +160,47 @@ async fn admin_api(state: &AppState, method: &Method, path: &str) -> Response<Pr
     result.unwrap_or_else(|e| error(ProxyError::store(e)))
 }
 
-/// Most audit rows shown with a key or an entity.
-const HISTORY: i64 = 100;
-
-/// Every record of a key and its attempts (audit rows, newest first); `None` if unknown.
-pub async fn key_report(store: &dyn Store, key: &str) -> StoreResult<Option<Value>> {
-    let records = store.find_key(key).await?;
-    if records.is_empty() {
-        return Ok(None);
-    }
-    let attempts = store.audit_for_key(key, HISTORY).await?;
-    Ok(Some(json!({
-        "key": key,
-        "records": records.iter().map(record_json).collect::<Vec<_>>(),
-        "attempts": attempts.iter().map(audit_json).collect::<Vec<_>>(),
-    })))
-}
-
-/// An entity's version, claim and audit history (newest first). `entity` may be a bare name
-/// (`contact:42`): every credential scope's state of it is listed under `scopes`, and the
-/// top-level `version` and `claim` sum them up (the highest version, a live claim).
-pub async fn entity_report(store: &dyn Store, entity: &str) -> StoreResult<Value> {
-    let states = store.find_entities(entity).await?;
-    let history = store.audit_for_entity(entity, HISTORY).await?;
-    let now = now_ms();
-    let live_claim = |s: &crate::store::EntityState| {
-        s.claim
-            .as_ref()
-            .filter(|c| c.until > now)
-            .map(|c| json!({"key": c.owner.key, "upstream": c.owner.upstream, "until_ms": c.until}))
+/// `POST /admin/keys/{key}/release` and `…/complete`: an operator settles a key (see
+/// [`crate::settle`]); the body is JSON (`{"note": …}`, and for complete the answer).
+async fn settling(state: &AppState, req: Request<Incoming>) -> Response<ProxyBody> {
+    let path = req.uri().path().to_owned();
+    let segs: Vec<String> = path
+        .trim_start_matches("/admin/")
+        .split('/')
+        .map(|s| percent_decode_str(s).decode_utf8_lossy().into_owned())
+        .collect();
+    let (key, act) = match segs.as_slice() {
+        [keys, key, act] if keys == "keys" => (key.clone(), act.clone()),
+        _ => {
+            return error(ProxyError::new(
+                ErrorKind::NotFound,
+                format!("no admin endpoint POST {path}"),
+            ))
+        }
     };
-    Ok(json!({
-        "entity": entity,
-        "version": states.iter().filter_map(|s| s.version).max(),
-        "claim": states.iter().find_map(live_claim),
-        "scopes": states.iter().map(|s| json!({
-            "entity": s.entity,
-            "version": s.version,
-            "claim": live_claim(s),
-        })).collect::<Vec<_>>(),
-        "history": history.iter().map(audit_json).collect::<Vec<_>>(),
-    }))
-}
-
-/// An audit row as operators see it.
-pub fn audit_json(a: &AuditRow) -> Value {
-    json!({
-        "at_ms": a.at,
-        "upstream": a.upstream,
-        "route": a.route,
-        "entities": a.entities,
-        "key": a.key,
-        "fingerprint": a.fingerprint,
-        "decision": a.decision,
-        "upstream_status": a.upstream_status,
-        "total_ms": a.total_ms,
-        "lock_wait_ms": a.lock_wait_ms,
-        "upstream_ms": a.upstream_ms,
-        "requests": a.requests,
-    })
-}
-
-/// A key record as operators see it (admin API and `idemproxy keys`). Never the credentials:
-/// only their hash.
-pub fn record_json(r: &KeyRecord) -> Value {
-    let now = now_ms();
-    json!({
-        "upstream": r.id.upstream,
-        "key": r.id.key,
-        "scope": r.id.scope,
-        "route": r.route,
-        "state": r.effective_state(now).as_str(),
-        "stored_state": r.state.as_str(),
-        "fingerprint": r.fingerprint,
-        "entities": r.entities,
-        "attempts": r.attempts,
-        "epoch": r.epoch,
-        "owner": r.owner,
-        "lease_until_ms": r.lease_until,
-        "created_at_ms": r.created_at,
-        "updated_at_ms": r.updated_at,
-        "expires_at_ms": r.expires_at,
-        "encrypted_with": r.enc_key,
-        "response": r.response.as_ref().map(answer_json),
-    })
-}
-
-/// A stored answer as operators see it: opened (its headers and body as text), or, when this
-/// process cannot decrypt it, its status and `<encrypted>` in place of the rest.
-fn answer_json(a: &StoredAnswer) -> Value {
-    match a {
-        StoredAnswer::Open(resp) => json!({
-            "status": resp.status,
-            "headers": resp.headers.iter()
-                .map(|(n, v)| json!([n, String::from_utf8_lossy(v)]))
-                .collect::<Vec<_>>(),
-            "body_bytes": resp.body.len(),
-            "body_preview": String::from_utf8_lossy(&resp.body[..resp.body.len().min(512)]),
-            "body": String::from_utf8_lossy(&resp.body),
-        }),
-        StoredAnswer::Sealed(s) => json!({
-            "status": s.status,
-            "headers": ENCRYPTED,
-            "body": ENCRYPTED,
-            "sealed": s.reason,
-        }),
+    let body = match read_json(req, state.config.server.max_body).await {
+        Ok(b) => b,
+        Err(e) => return error(e),
+    };
+    let settled = settle::act(state, &key, &act, &body).await;
+    match settled {
+        Ok(v) => json_response(StatusCode::OK, v),
+        Err(e) => error(e),
     }
 }
 
-fn json_response(status: StatusCode, body: Value) -> Response<ProxyBody> {
-    let mut resp = Response::new(full(body.to_string()));
-    *resp.status_mut() = status;
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    resp
-}
-
-fn error(e: ProxyError) -> Response<ProxyBody> {
+/// A JSON request body (an empty one is `{}`), at most `max` bytes.
+async fn read_json(req: Request<Incoming>, max: usize) -> Result<Value, ProxyError> {
     use http_body_util::BodyExt;
-    e.to_response()
-        .map(|b| b.map_err(|never| match never {}).boxed())
+    let limited = http_body_util::Limited::new(req.into_body(), max);
+    let bytes = limited
+        .collect()
+        .await
+        .map_err(|e| ProxyError::new(ErrorKind::BodyTooLarge, format!("request body: {e}")))?
+        .to_bytes();
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Ok(json!({}));
+    }
+    serde_json::from_slice(&bytes)
+        .map_err(|e| ProxyError::new(ErrorKind::BodyInvalid, format!("the body is not JSON: {e}")))
 }

@@ -117,6 +117,15 @@ fn server(cx: &mut Compiler, raw: &RawServer) -> ServerConfig {
             }
         });
     let body_timeout = cx.dur(&raw.body_timeout, Duration::from_secs(30));
+    // Absent: `x-workflow-id` (the header the shipped derive templates read); `""`: none.
+    let workflow_header = match &raw.workflow_header {
+        None => Some(http::HeaderName::from_static("x-workflow-id")),
+        Some(h) => cx.s(h).filter(|h| !h.is_empty()).and_then(|name| {
+            http::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| cx.err(h.span(), format!("{name:?} is not a header name")))
+                .ok()
+        }),
+    };
     let tls = raw.tls.as_ref().and_then(|t| {
         let t = t.get_ref();
         Some(TlsFiles {
@@ -133,6 +142,7 @@ fn server(cx: &mut Compiler, raw: &RawServer) -> ServerConfig {
         max_answer,
         max_connections,
         max_connections_per_ip,
+        workflow_header,
         workers,
         tls,
     }

@@ -60,6 +60,9 @@ pub struct ServerConfig {
     /// Threads serving requests (the async runtime's worker and the connection threads beside
     /// it); `None`: one per core. See [`ServerConfig::connection_threads_for`].
     pub workers: Option<usize>,
+    /// The request header whose value the audit trail keeps as the workflow (run) id, so an
+    /// entity's timeline says which run sent each write (`None`: kept nowhere).
+    pub workflow_header: Option<http::HeaderName>,
     pub tls: Option<TlsFiles>,
 }
 
@@ -70,7 +73,7 @@ impl ServerConfig {
     /// runtime workers it woke the other one, and a lone first write on SQLite took 60–90 µs
     /// longer; connection threads beside one worker served 15% more concurrent first writes on
     /// SQLite and 10% more on PostgreSQL, and a lone client's on PostgreSQL 8% faster
-    /// (docs/benchmark.md).
+    /// (docs/design-notes.md, "Serving threads and the request path").
     pub fn connection_threads_for(&self, cores: usize) -> usize {
         self.serving(cores) - 1
     }

@@ -34,6 +34,7 @@ pub struct RawServer {
     pub max_connections: Option<Spanned<i64>>,
     pub max_connections_per_ip: Option<Spanned<i64>>,
     pub workers: Option<Spanned<i64>>,
+    pub workflow_header: Option<Str>,
     pub tls: Option<Spanned<RawTls>>,
 }
 

@@ -19,6 +19,9 @@ const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-repl
 /// On an answer that is the reconcile read's (the write's own answer was lost).
 pub const RECONCILED_HEADER: &str = "idemproxy-reconciled";
 
+/// On a replay of an answer an operator set by hand (see `crate::settle`).
+pub const SET_BY_HEADER: &str = "idemproxy-set-by";
+
 /// On an observe-mode answer: what enforce mode would have done (see `super::observe`).
 pub const OBSERVED_HEADER: &str = "idemproxy-observed";
 
@@ -216,6 +219,11 @@ impl Ctx {
             upstream_ms: upstream.map(ms),
             expires_at: after_ms(self.route.retention),
             requests: 1,
+            scope: self
+                .evaluated
+                .then(|| crate::key::entity_scope(&self.prepared.id.scope).to_owned()),
+            workflow: self.prepared.workflow.clone(),
+            note: None,
         }
     }
 }
@@ -257,6 +265,9 @@ pub(super) fn respond(stored: &StoredResponse, key: &str, replayed: bool) -> Res
     );
     if stored.reconciled() {
         h.insert(RECONCILED_HEADER, HeaderValue::from_static("true"));
+    }
+    if stored.set_by_operator() {
+        h.insert(SET_BY_HEADER, HeaderValue::from_static("operator"));
     }
     resp
 }

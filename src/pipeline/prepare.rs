@@ -53,6 +53,8 @@ pub struct Prepared {
     /// value the caller put there is theirs, and is forwarded as sent (with no reconcile read
     /// by the stamp, which would not be in the object).
     pub stamped: bool,
+    /// The workflow id header's value (`server.workflow_header`), for the audit trail.
+    pub workflow: Option<String>,
 }
 
 /// A request's reconcile read: the path, and the value each of the route's `expect` fields
@@ -115,6 +117,7 @@ pub(super) async fn step(
         return Err(e);
     }
     ctx.prepared = prepared?;
+    ctx.prepared.workflow = workflow(server.workflow_header.as_ref(), &parts.headers);
     ctx.evaluated = true;
     // The first release scoped keys by `Authorization` and `scope_headers` only: a request that
     // also carries another credential header (a cookie, an API key) shares that old scope with
@@ -147,6 +150,15 @@ async fn timed<F: std::future::Future>(
 }
 
 /// Buffers a request body up to `max` bytes.
+/// The workflow id a request carries, cut to [`WORKFLOW_MAX`] characters.
+fn workflow(header: Option<&http::HeaderName>, headers: &HeaderMap) -> Option<String> {
+    let value = headers.get(header?)?.to_str().ok()?;
+    Some(value.chars().take(WORKFLOW_MAX).collect())
+}
+
+/// Most characters of a workflow id kept in an audit row.
+const WORKFLOW_MAX: usize = 128;
+
 async fn read_body(body: Incoming, headers: &HeaderMap, max: usize) -> ProxyResult<Bytes> {
     let too_large = || {
         ProxyError::new(
@@ -387,6 +399,7 @@ pub fn prepare(
         precheck_path,
         reconcile,
         stamped,
+        workflow: None,
     })
 }
 

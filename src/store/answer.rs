@@ -24,7 +24,15 @@ pub const OMITTED_BODY: &str = ":omitted-body";
 /// `pipeline::reconcile`); a name no upstream can send, like [`OMITTED_BODY`].
 pub const RECONCILED: &str = ":reconciled";
 
+/// Marks an answer an operator set by hand for a write that happened (see `crate::settle`).
+pub const SET_BY_OPERATOR: &str = ":set-by-operator";
+
 impl StoredResponse {
+    /// Whether an operator set this answer by hand.
+    pub fn set_by_operator(&self) -> bool {
+        self.headers.iter().any(|(n, _)| n == SET_BY_OPERATOR)
+    }
+
     /// Whether this is a reconcile read's answer, stored for a write whose own answer was lost.
     pub fn reconciled(&self) -> bool {
         self.headers.iter().any(|(n, _)| n == RECONCILED)

@@ -180,6 +180,18 @@ impl Keys for CachedStore {
         self.entries.forget(Some(key));
         Ok(n)
     }
+    async fn complete_key(
+        &self,
+        id: &ScopedKey,
+        epoch: i64,
+        response: Arc<StoredResponse>,
+        expires_at: i64,
+    ) -> StoreResult<bool> {
+        // The record is not in the cache (unknown records never are); a retry reads it.
+        self.inner
+            .complete_key(id, epoch, response, expires_at)
+            .await
+    }
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
         self.settling.settle().await;
         self.inner.find_key(key).await
@@ -280,6 +292,9 @@ impl AuditLog for CachedStore {
     }
     async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
         self.inner.audit_for_key(key, limit).await
+    }
+    async fn audit_counts(&self, since: i64) -> StoreResult<Vec<AuditCount>> {
+        self.inner.audit_counts(since).await
     }
     async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64> {
         self.inner.purge(batch, released_before).await

@@ -22,6 +22,7 @@ pub mod sqlite;
 
 pub use answer::{
     FinishColumns, SealedAnswer, StoredAnswer, StoredResponse, OMITTED_BODY, RECONCILED,
+    SET_BY_OPERATOR,
 };
 pub use error::{StoreError, StoreResult};
 pub use id::{KeyParts, ScopedKey};
@@ -210,6 +211,18 @@ pub struct KeyFilter {
     pub entity: Option<String>,
     pub state: Option<KeyState>,
     pub limit: i64,
+    /// Oldest first (by last change) instead of newest first: what waits longest comes first.
+    pub oldest_first: bool,
+}
+
+/// Requests of one route that ended with one decision within one minute (the console's
+/// overview): `minute` is the minute's start, in ms since the epoch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditCount {
+    pub route: String,
+    pub decision: String,
+    pub minute: i64,
+    pub requests: i64,
 }
 
 /// Idempotency keys: reserve before forwarding, store the outcome, replay, release.
@@ -267,6 +280,18 @@ pub trait Keys: Send + Sync + 'static {
     /// Operator release: every record with this key (any upstream or scope) that is not live
     /// in flight becomes forwardable again. Returns how many.
     async fn release_key(&self, key: &str) -> StoreResult<u64>;
+    /// Operator settlement of a write that did happen: record `id`, seen at `epoch` with its
+    /// outcome unknown (or in flight with its lease lapsed), becomes completed with
+    /// `response`, kept until `expires_at`. `false` when it is no longer so (a retry took it
+    /// over, or it was settled meanwhile). No entity effects: the operator's answer records no
+    /// version and takes no claim.
+    async fn complete_key(
+        &self,
+        id: &ScopedKey,
+        epoch: i64,
+        response: std::sync::Arc<StoredResponse>,
+        expires_at: i64,
+    ) -> StoreResult<bool>;
     /// Every record with this key, any upstream or scope.
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>>;
     async fn list_keys(&self, filter: &KeyFilter) -> StoreResult<Vec<KeyRecord>>;
@@ -341,6 +366,8 @@ pub trait AuditLog: Send + Sync + 'static {
     async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>>;
     /// The newest audit rows of `key` (any upstream or scope).
     async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>>;
+    /// How many requests each route's decisions stood for, per minute, since `since` (ms).
+    async fn audit_counts(&self, since: i64) -> StoreResult<Vec<AuditCount>>;
     /// Deletes up to `batch` rows of each kind past retention: completed keys past their
     /// `expires_at`, released keys last touched before `released_before`, audit rows past
     /// their `expires_at`, lapsed claims. Returns how many rows went.

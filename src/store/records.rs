@@ -72,4 +72,10 @@ pub struct AuditRow {
     /// alike within one audit batch (a retry storm's replays), folded by the auditor (at the
     /// first one's time, with the slowest one's durations).
     pub requests: i64,
+    /// The credential scope as a short id (see [`crate::key::entity_scope`]).
+    pub scope: Option<String>,
+    /// The workflow id header's value, when the request carried one.
+    pub workflow: Option<String>,
+    /// An operator's note, on the rows of an operator's act.
+    pub note: Option<String>,
 }

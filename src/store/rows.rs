@@ -116,6 +116,19 @@ pub fn audit_row(row: &impl Cols) -> StoreResult<AuditRow> {
         upstream_ms: row.opt_int("upstream_ms")?,
         expires_at: row.int("expires_at")?,
         requests: row.int("requests")?,
+        scope: row.opt_text("scope")?,
+        workflow: row.opt_text("workflow")?,
+        note: row.opt_text("note")?,
+    })
+}
+
+/// A row of [`crate::store::AuditLog::audit_counts`].
+pub fn audit_count(row: &impl Cols) -> StoreResult<crate::store::AuditCount> {
+    Ok(crate::store::AuditCount {
+        route: row.text("route")?,
+        decision: row.text("decision")?,
+        minute: row.int("minute")?,
+        requests: row.int("requests")?,
     })
 }
 
@@ -127,9 +140,10 @@ pub const KEY_COLUMNS_PG: &str = "upstream, scope, key, fingerprint, route, enti
      lease_until, epoch, attempts, status::bigint AS status, headers, body, enc_key, created_at, updated_at, expires_at, call_ms";
 pub const AUDIT_COLUMNS_SQLITE: &str =
     "at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-     total_ms, lock_wait_ms, upstream_ms, expires_at, requests";
+     total_ms, lock_wait_ms, upstream_ms, expires_at, requests, scope, workflow, note";
 pub const AUDIT_COLUMNS_PG: &str =
     "at, upstream, route, entities::text AS entities, key, fingerprint, decision, \
-     upstream_status::bigint AS upstream_status, total_ms, lock_wait_ms, upstream_ms, expires_at, requests";
+     upstream_status::bigint AS upstream_status, total_ms, lock_wait_ms, upstream_ms, expires_at, requests, \
+     scope, workflow, note";
 pub const ENTITY_COLUMNS: &str =
     "entity, version, claim_upstream, claim_scope, claim_key, claim_until, updated_at";

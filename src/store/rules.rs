@@ -38,3 +38,9 @@ pub fn reservable(take_unknown: &str) -> String {
 pub fn releasable(now: &str) -> String {
     format!("state <> 'released' AND NOT (state = 'in_flight' AND lease_until > {now})")
 }
+
+/// What an operator may settle by hand (complete with the real answer): an outcome nobody
+/// knows — unknown, or in flight with its lease lapsed (its caller gone).
+pub fn settleable(now: &str) -> String {
+    format!("(state = 'unknown' OR (state = 'in_flight' AND lease_until <= {now}))")
+}

@@ -15,13 +15,14 @@ pub async fn append_audit<'e>(db: impl sqlx::PgExecutor<'e>, rows: &[AuditRow]) 
     let int = |f: fn(&AuditRow) -> i64| -> Vec<i64> { rows.iter().map(f).collect() };
     sqlx::query(
         "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-         total_ms, lock_wait_ms, upstream_ms, expires_at, requests) \
+         total_ms, lock_wait_ms, upstream_ms, expires_at, requests, scope, workflow, note) \
          SELECT at, upstream, route, entities::jsonb, key, fingerprint, decision, upstream_status, \
-           total_ms, lock_wait_ms, upstream_ms, expires_at, requests \
+           total_ms, lock_wait_ms, upstream_ms, expires_at, requests, scope, workflow, note \
          FROM UNNEST($1::int8[], $2::text[], $3::text[], $4::text[], $5::text[], $6::text[], $7::text[], \
-           $8::int4[], $9::int8[], $10::int8[], $11::int8[], $12::int8[], $13::int8[]) \
+           $8::int4[], $9::int8[], $10::int8[], $11::int8[], $12::int8[], $13::int8[], $14::text[], \
+           $15::text[], $16::text[]) \
          AS v(at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-           total_ms, lock_wait_ms, upstream_ms, expires_at, requests)",
+           total_ms, lock_wait_ms, upstream_ms, expires_at, requests, scope, workflow, note)",
     )
     .bind(int(|r| r.at))
     .bind(text(|r| &r.upstream))
@@ -36,6 +37,9 @@ pub async fn append_audit<'e>(db: impl sqlx::PgExecutor<'e>, rows: &[AuditRow]) 
     .bind(rows.iter().map(|r| r.upstream_ms).collect::<Vec<_>>())
     .bind(int(|r| r.expires_at))
     .bind(int(|r| r.requests))
+    .bind(rows.iter().map(|r| r.scope.as_deref()).collect::<Vec<_>>())
+    .bind(rows.iter().map(|r| r.workflow.as_deref()).collect::<Vec<_>>())
+    .bind(rows.iter().map(|r| r.note.as_deref()).collect::<Vec<_>>())
     .execute(db)
     .await?;
     Ok(())
@@ -129,6 +133,16 @@ impl AuditLog for PgStore {
     }
     async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
         audit_where(&self.pool, "key = $1", key, limit).await
+    }
+    async fn audit_counts(&self, since: i64) -> StoreResult<Vec<AuditCount>> {
+        let rows = sqlx::query(
+            "SELECT route, decision, (at / 60000) * 60000 AS minute, SUM(requests)::int8 AS requests \
+             FROM idem_audit WHERE at >= $1 GROUP BY route, decision, minute ORDER BY minute",
+        )
+        .bind(since)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(rows::audit_count).collect()
     }
     async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64> {
         purge(&self.pool, batch, self.clock.to_db(released_before)).await

@@ -216,7 +216,7 @@ async fn existing(
 
 /// Stores a batch of outcomes without entity effects (those go one at a time, in a
 /// transaction with their effects: see `Keys::finish`). `Commit::Lazy` commits without
-/// waiting for the WAL flush (see `Keys::finish_answered`).
+/// waiting for the WAL flush (see `store::When::Answered`).
 pub(super) async fn finish_many(
     conn: &mut sqlx::PgConnection,
     clock: &Clock,

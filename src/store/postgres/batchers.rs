@@ -12,7 +12,7 @@ pub(super) struct Batchers {
     pub reservations: batch::Batcher<Reservation, StoreResult<Reserved>>,
     /// Outcomes their callers wait on: durable before they hear.
     pub outcomes: batch::Batcher<batched::Finishing, bool>,
-    /// Outcomes whose callers were already answered (see `Keys::finish_answered`).
+    /// Outcomes whose callers were already answered (see `store::When::Answered`).
     pub answered_outcomes: batch::Batcher<batched::Finishing, bool>,
     /// Entity leases taken, many per statement, on the lazily durable pool (see [`leases`]).
     pub lease_takes: batch::Batcher<leases::Taking, leases::Attempt>,

@@ -151,6 +151,41 @@ impl Keys for PgStore {
         .await?;
         Ok(rows.len() as u64)
     }
+    async fn complete_key(
+        &self,
+        id: &ScopedKey,
+        epoch: i64,
+        response: std::sync::Arc<StoredResponse>,
+        expires_at: i64,
+    ) -> StoreResult<bool> {
+        let done = Finish::Completed {
+            response,
+            expires_at,
+            effects: Effects::default(),
+        };
+        let c = done.into_columns(self.cipher.as_deref(), id, epoch)?;
+        // Whoever watches the key (a retry waiting on it, on any replica) reads it again.
+        let rows = sqlx::query(&format!(
+            "WITH u AS (UPDATE idem_keys SET state = 'completed', status = $1, headers = $2, \
+               body = $3, expires_at = $4, enc_key = $5, owner = NULL, updated_at = {NOW} \
+             WHERE upstream = $6 AND scope = $7 AND key = $8 AND epoch = $9 AND {} \
+             RETURNING upstream, scope, key) \
+             SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u",
+            rules::settleable(NOW)
+        ))
+        .bind(c.status.map(i32::from))
+        .bind(c.headers.as_deref())
+        .bind(c.body.as_deref())
+        .bind(self.clock.to_db(expires_at))
+        .bind(c.enc_key.as_deref())
+        .bind(&id.upstream)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .bind(epoch)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.len() == 1)
+    }
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
         let rows = sqlx::query(&format!(
             "SELECT {COLUMNS} FROM idem_keys WHERE key = $1 ORDER BY created_at"
@@ -165,9 +200,10 @@ impl Keys for PgStore {
             "SELECT {COLUMNS} FROM idem_keys WHERE ($1::text IS NULL OR \
                {} = $1) \
              AND ($2::text IS NULL OR EXISTS (SELECT 1 FROM jsonb_array_elements_text(entities) AS e(value) WHERE {})) \
-             ORDER BY updated_at DESC LIMIT $3",
+             ORDER BY updated_at {} LIMIT $3",
             rules::effective_state(NOW),
-            names_entity("e.value", "$2")
+            names_entity("e.value", "$2"),
+            if f.oldest_first { "ASC" } else { "DESC" }
         ))
         .bind(f.state.map(KeyState::as_str))
         .bind(f.entity.as_deref())

@@ -37,6 +37,9 @@ pub fn append_audit(conn: &Connection, rows: &[AuditRow]) -> StoreResult<()> {
                 &r.upstream_ms,
                 &r.expires_at,
                 &r.requests,
+                &r.scope,
+                &r.workflow,
+                &r.note,
             ]);
         }
         stmt.execute(values.as_slice())?;
@@ -47,7 +50,7 @@ pub fn append_audit(conn: &Connection, rows: &[AuditRow]) -> StoreResult<()> {
 
 /// Rows per multi-row insert, largest first; the last is 1, so every row finds a statement.
 const AUDIT_CHUNKS: [usize; 6] = [32, 16, 8, 4, 2, 1];
-const AUDIT_FIELDS: usize = 13;
+const AUDIT_FIELDS: usize = 16;
 
 /// One insert text per entry of [`AUDIT_CHUNKS`].
 static AUDIT_INSERTS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(|| {
@@ -64,7 +67,8 @@ static AUDIT_INSERTS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::ne
                 .collect();
             format!(
                 "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, \
-                 upstream_status, total_ms, lock_wait_ms, upstream_ms, expires_at, requests) VALUES {}",
+                 upstream_status, total_ms, lock_wait_ms, upstream_ms, expires_at, requests, scope, workflow, \
+                 note) VALUES {}",
                 rows.join(", ")
             )
         })
@@ -132,6 +136,16 @@ impl AuditLog for SqliteStore {
         .await?;
         rows.iter().map(rows::audit_row).collect()
     }
+    async fn audit_counts(&self, since: i64) -> StoreResult<Vec<AuditCount>> {
+        let rows = sqlx::query(
+            "SELECT route, decision, (at / 60000) * 60000 AS minute, SUM(requests) AS requests \
+             FROM idem_audit WHERE at >= ?1 GROUP BY route, decision, minute ORDER BY minute",
+        )
+        .bind(since)
+        .fetch_all(&self.reads)
+        .await?;
+        rows.iter().map(rows::audit_count).collect()
+    }
     async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64> {
         self.writer
             .write(move |ctx| purge(ctx.conn, ctx.now, batch, released_before))
@@ -158,6 +172,9 @@ mod tests {
             upstream_ms: None,
             expires_at: i64::MAX,
             requests: n % 3 + 1,
+            scope: Some(format!("{n:016x}")),
+            workflow: (n % 2 == 0).then(|| format!("run-{n}")),
+            note: (n % 5 == 0).then(|| format!("checked <b>{n}</b>")),
         }
     }
 

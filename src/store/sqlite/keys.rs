@@ -151,6 +151,32 @@ fn finish_row(ctx: &Tx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreR
     Ok(changed == 1)
 }
 
+/// [`Keys::complete_key`]: the operator's answer, if the record still waits for one at `epoch`.
+fn complete(ctx: &Tx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreResult<bool> {
+    let sql = format!(
+        "UPDATE idem_keys SET state = 'completed', status = ?1, headers = ?2, body = ?3, \
+         expires_at = ?4, enc_key = ?5, owner = NULL, updated_at = ?6 \
+         WHERE upstream = ?7 AND scope = ?8 AND key = ?9 AND epoch = ?10 AND {}",
+        rules::settleable("?6")
+    );
+    let changed = ctx.conn.execute(
+        &sql,
+        params![
+            c.status.map(i64::from),
+            c.headers.as_deref(),
+            c.body.as_deref(),
+            c.expires_at,
+            c.enc_key.as_deref(),
+            ctx.now,
+            id.upstream,
+            id.scope,
+            id.key,
+            epoch,
+        ],
+    )?;
+    Ok(changed == 1)
+}
+
 pub fn renew(ctx: &Tx, id: &ScopedKey, epoch: i64, until: i64) -> StoreResult<bool> {
     let changed = ctx.conn.prepare_cached(
         "UPDATE idem_keys SET lease_until = ?1 WHERE upstream = ?2 AND scope = ?3 AND key = ?4 AND state = 'in_flight' AND epoch = ?5",
@@ -275,6 +301,24 @@ impl Keys for SqliteStore {
     fn observe_releases(&self, f: ReleaseObserver) {
         *self.observer.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
     }
+    async fn complete_key(
+        &self,
+        id: &ScopedKey,
+        epoch: i64,
+        response: std::sync::Arc<StoredResponse>,
+        expires_at: i64,
+    ) -> StoreResult<bool> {
+        let done = Finish::Completed {
+            response,
+            expires_at,
+            effects: Effects::default(),
+        };
+        let c = done.into_columns(self.cipher.as_deref(), id, epoch)?;
+        let id = id.clone();
+        self.writer
+            .write(move |ctx| complete(ctx, &id, epoch, &c))
+            .await
+    }
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
         let rows = sqlx::query(&format!(
             "SELECT {KEY_COLUMNS} FROM idem_keys WHERE key = ? ORDER BY created_at"
@@ -290,9 +334,10 @@ impl Keys for SqliteStore {
         let rows = sqlx::query(&format!(
             "SELECT {KEY_COLUMNS} FROM idem_keys WHERE (?1 IS NULL OR {} = ?1) \
              AND (?2 IS NULL OR EXISTS (SELECT 1 FROM json_each(idem_keys.entities) WHERE {})) \
-             ORDER BY updated_at DESC LIMIT ?3",
+             ORDER BY updated_at {} LIMIT ?3",
             rules::effective_state("?4"),
-            names_entity("value", "?2")
+            names_entity("value", "?2"),
+            if f.oldest_first { "ASC" } else { "DESC" }
         ))
         .bind(f.state.map(KeyState::as_str))
         .bind(f.entity.as_deref())

@@ -1,7 +1,7 @@
 //! Outcomes nobody waits on, handed to the writer without waking it.
 //!
 //! A first write's outcome, once its caller has its answer from the replay cache
-//! ([`crate::store::Keys::finish_answered_later`]), has nobody waiting on it: what waits is the
+//! ([`crate::store::When::Later`]), has nobody waiting on it: what waits is the
 //! key's slot, let go once it commits. Sent through the writer's queue, each one woke the
 //! writer when it was idle and a task of the worker's when it committed. Measured at 64
 //! concurrent first writes, outcomes that took no trip through the writer at all (a bound, not

@@ -38,7 +38,7 @@ pub enum Heard {
     Synced,
     /// Once it is committed (visible to every reader), its `fdatasync` following within
     /// [`super::durable::LAZY_SYNC`]: for writes nobody acts on being durable — an outcome
-    /// whose caller was already answered (`Keys::finish_answered`), audit rows. Their callers
+    /// whose caller was already answered (`store::When::Answered`), audit rows. Their callers
     /// let go of the key's slot and entity locks at once, and a lone first write pays one
     /// `fdatasync` (its reservation's), not two.
     Committed,

@@ -16,7 +16,7 @@ pub(super) struct Ran {
 /// it just reserved, or the client's next request. Blocking and being woken for it costs more
 /// than the wait itself on a virtual machine (a futex wake-up, a context switch, the vCPU's
 /// halt and its interrupt): watching the queue for up to [`SPIN`] first cut a lone client's
-/// p50 from 0.29–0.37 ms to 0.23–0.24 ms (docs/benchmark.md). It is done
+/// p50 from 0.29–0.37 ms to 0.23–0.24 ms (docs/design-notes.md, "The SQLite writer"). It is done
 /// only when it pays:
 /// - **light load**: batches of [`LIGHT`] jobs or fewer on average. Under load the batches grow
 ///   and the writer blocks at once, leaving the cores to the threads that serve requests

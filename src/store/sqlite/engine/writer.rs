@@ -23,7 +23,7 @@
 //! over with [`Writer::finish_later`], they wait in [`super::deferred`] for the next batch, and
 //! only a parked writer is woken for them. The thread itself, what goes into a batch and how a
 //! batch runs, is `writer_thread.rs`; when it watches its queue before blocking on it (a lone
-//! client's next write comes sooner than a wake-up), [`super::writer_pace`].
+//! client's next write comes sooner than a wake-up), [`super::pace`].
 
 use super::deferred::{Deferred, Later};
 use super::durable::Syncer;
