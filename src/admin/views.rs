@@ -66,6 +66,9 @@ pub fn audit_json(a: &AuditRow) -> Value {
         "lock_wait_ms": a.lock_wait_ms,
         "upstream_ms": a.upstream_ms,
         "requests": a.requests,
+        "scope": a.scope,
+        "workflow": a.workflow,
+        "note": a.note,
     })
 }
 

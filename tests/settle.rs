@@ -1,0 +1,231 @@
+//! Settling a key by hand (SPEC "Settling an unknown outcome by hand"), through the admin API
+//! and the CLI, on SQLite and PostgreSQL: the real proxy in front of a recording upstream that
+//! takes a write and drops the connection before answering (the outcome unknown). A key marked
+//! done is never forwarded and its retries get the operator's answer; a released one is
+//! forwarded exactly once more; a key whose outcome is known, or which several records carry,
+//! is refused with the records; every act leaves an audit row with its note.
+
+mod common;
+use common::*;
+
+use common::pg::PgServer;
+use serde_json::{json, Value};
+use std::time::Instant;
+
+/// Writes 1, 2, 4, 5 and 6 are taken and their connection dropped (unknown outcomes); the
+/// others are answered.
+async fn upstream() -> RecordingUpstream {
+    RecordingUpstream::builder()
+        .raw_http1()
+        .handler(|rec, n| match n {
+            1 | 2 | 4 | 5 | 6 => Reply::drop_connection(),
+            _ => Reply::echo(rec, n),
+        })
+        .start()
+        .await
+}
+
+fn config(upstream: &RecordingUpstream, store: &str) -> String {
+    let route = format!("{CHARGES_ROUTE}entity = \"customer:{{body.customer}}\"\n");
+    format!("{}\n{store}", api_config(upstream, "", "", &route))
+}
+
+async fn charge(proxy: &TestProxy, key: &str, auth: &str) -> Resp {
+    let body = json!({"customer": "cus_9", "amount": 100});
+    let headers = [("authorization", auth), ("x-workflow-id", "run-77")];
+    post_json(&proxy.url("/api/v1/charges"), Some(key), &body, &headers).await
+}
+
+async fn admin_post(proxy: &TestProxy, path: &str, body: &Value) -> Resp {
+    let headers = [("content-type", "application/json")];
+    request("POST", &proxy.admin_url(path), &headers, body.to_string()).await
+}
+
+/// Runs the real binary's `keys …` on the proxy's own config.
+async fn cli(proxy: &TestProxy, args: &[&str]) -> (bool, String) {
+    let cfg = proxy.dir.write_file("cli.toml", &proxy.config_text);
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+            .args(&args)
+            .arg("--config")
+            .arg(&cfg)
+            .env_remove("IDEMPROXY_STORE_URL")
+            .env_remove("IDEMPROXY_CONFIG")
+            .output()
+            .expect("run idemproxy");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        (out.status.success(), text)
+    })
+    .await
+    .unwrap()
+}
+
+/// Polls the key's audit trail until a row with `decision` shows; returns it.
+async fn audit_row(proxy: &TestProxy, key: &str, decision: &str) -> Value {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let report = get(&proxy.admin_url(&format!("/admin/keys/{key}")))
+            .await
+            .json();
+        let rows = report["attempts"].as_array().cloned().unwrap_or_default();
+        if let Some(row) = rows.into_iter().find(|r| r["decision"] == decision) {
+            return row;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no {decision} row for {key}: {report}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+}
+
+async fn settles_by_hand(store: &str) {
+    let upstream = upstream().await;
+    let proxy = TestProxy::start(&config(&upstream, store)).await;
+
+    // 1. The write happened: marked done on the admin API, never forwarded again.
+    charge(&proxy, "done-1", "Bearer a")
+        .await
+        .assert_status(504);
+    let retry = charge(&proxy, "done-1", "Bearer a").await;
+    assert_eq!(retry.error_type(), Some("outcome_unknown"));
+    let pasted = json!({
+        "status": 201,
+        "headers": {"Content-Type": "application/json"},
+        "body": "{\"id\":\"ch_real\",\"amount\":100}",
+        "note": "found ch_real in the dashboard",
+    });
+    let done = admin_post(&proxy, "/admin/keys/done-1/complete", &pasted).await;
+    done.assert_status(200);
+    assert_eq!(
+        done.json()["records"][0]["state"],
+        "completed",
+        "{}",
+        done.text()
+    );
+    for _ in 0..2 {
+        let retry = charge(&proxy, "done-1", "Bearer a").await;
+        retry.assert_status(201);
+        assert_eq!(retry.json()["id"], "ch_real");
+        assert_eq!(retry.replayed(), Some(true));
+        assert_eq!(retry.header("idemproxy-set-by"), Some("operator"));
+    }
+    assert_eq!(upstream.count(), 1, "a key marked done is never forwarded");
+    let row = audit_row(&proxy, "done-1", "completed_by_operator").await;
+    assert_eq!(row["note"], "found ch_real in the dashboard", "{row}");
+    assert_eq!(row["upstream_status"], 201);
+    // Who sent the write: the workflow id header and the credential scope's short id.
+    let sent = audit_row(&proxy, "done-1", "unknown").await;
+    assert_eq!(sent["workflow"], "run-77", "{sent}");
+    let scope = sent["scope"].as_str().unwrap_or_default();
+    assert!(scope.len() == 16 && scope == row["scope"], "{sent} {row}");
+    // Its outcome is known now: settling it again is refused, with the record.
+    let again = admin_post(&proxy, "/admin/keys/done-1/complete", &pasted).await;
+    assert_eq!(
+        again.error_type(),
+        Some("not_settleable"),
+        "{}",
+        again.text()
+    );
+    assert_eq!(again.json()["error"]["records"][0]["state"], "completed");
+
+    // 2. The write did not happen: released with the CLI, forwarded exactly once more.
+    charge(&proxy, "rel-1", "Bearer a").await.assert_status(504);
+    let (ok, out) = cli(
+        &proxy,
+        &[
+            "keys",
+            "release",
+            "rel-1",
+            "--note",
+            "no charge in the dashboard",
+        ],
+    )
+    .await;
+    assert!(ok, "{out}");
+    charge(&proxy, "rel-1", "Bearer a").await.assert_status(200);
+    charge(&proxy, "rel-1", "Bearer a").await.assert_status(200);
+    assert_eq!(
+        upstream.count(),
+        3,
+        "released: forwarded once, then replayed"
+    );
+    let row = audit_row(&proxy, "rel-1", "released_by_operator").await;
+    assert_eq!(row["note"], "no charge in the dashboard", "{row}");
+
+    // 3. Marked done with the CLI: the body from a file, a header, a required note.
+    charge(&proxy, "cli-1", "Bearer a").await.assert_status(504);
+    let body = proxy.dir.write_file("real.json", r#"{"id":"ch_cli"}"#);
+    let body = body.to_string_lossy().into_owned();
+    let args = [
+        "keys",
+        "complete",
+        "cli-1",
+        "--status",
+        "200",
+        "--body-file",
+        &body,
+    ];
+    let (ok, out) = cli(&proxy, &args).await;
+    assert!(!ok, "a note is required: {out}");
+    let with_note = [
+        &args[..],
+        &["-H", "Content-Type: application/json", "--note", "seen"],
+    ]
+    .concat();
+    let (ok, out) = cli(&proxy, &with_note).await;
+    assert!(ok, "{out}");
+    let retry = charge(&proxy, "cli-1", "Bearer a").await;
+    retry.assert_status(200);
+    assert_eq!(retry.json()["id"], "ch_cli");
+    assert_eq!(upstream.count(), 4, "never forwarded after keys complete");
+    let (ok, out) = cli(&proxy, &with_note).await;
+    assert!(
+        !ok && out.contains("unknown"),
+        "a known outcome is not settled again: {out}"
+    );
+
+    // 4. One key, two callers (two credential scopes): complete must pick one.
+    charge(&proxy, "amb-1", "Bearer a").await.assert_status(504);
+    charge(&proxy, "amb-1", "Bearer b").await.assert_status(504);
+    let pasted = json!({"status": 200, "body": "{\"id\":\"ch_a\"}", "note": "a's"});
+    let both = admin_post(&proxy, "/admin/keys/amb-1/complete", &pasted).await;
+    assert_eq!(both.error_type(), Some("not_settleable"), "{}", both.text());
+    let records = both.json()["error"]["records"].as_array().cloned().unwrap();
+    assert_eq!(records.len(), 2, "{}", both.text());
+    let mut picked = pasted.clone();
+    picked["upstream"] = json!("api");
+    picked["scope"] = records[0]["scope"].clone();
+    admin_post(&proxy, "/admin/keys/amb-1/complete", &picked)
+        .await
+        .assert_status(200);
+    let (a, b) = (
+        charge(&proxy, "amb-1", "Bearer a").await,
+        charge(&proxy, "amb-1", "Bearer b").await,
+    );
+    let mut seen = [a.status, b.status];
+    seen.sort();
+    assert_eq!(
+        seen,
+        [200, 409],
+        "one caller's record completed, the other's still unknown"
+    );
+    let completed = if a.status == 200 { &a } else { &b };
+    assert_eq!(completed.json()["id"], "ch_a");
+    assert_eq!(upstream.count(), 6, "nothing forwarded by settling");
+}
+
+#[tokio::test]
+async fn an_operator_settles_unknown_outcomes_on_sqlite() {
+    settles_by_hand("").await;
+}
+
+#[tokio::test]
+async fn an_operator_settles_unknown_outcomes_on_postgres() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    settles_by_hand(&pg.store_toml()).await;
+}
