@@ -1,7 +1,7 @@
 //! The protected-request pipeline: SPEC.md "Request handling", seven steps in seven named
 //! places, run in order by [`run`]:
 //!
-//! 1. [`prepare`]: buffer the body; evaluate key, fingerprint, entities, version.
+//! 1. [`prepare`]: buffer the body; [`evaluate`] key, fingerprint, entities, version.
 //! 2. [`lookup`]: the scoped key — replay, refuse, wait for it, or go on.
 //! 3. [`lock`]: the entity locks, in this process and across replicas.
 //! 4. [`checks`]: claim, version, precheck, inside the locks.
@@ -19,6 +19,7 @@
 //! its audit row, its metrics and its answer are written from, once, by [`Ctx::finish`].
 
 pub mod checks;
+mod evaluate;
 mod forward;
 mod lock;
 mod lookup;
