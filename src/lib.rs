@@ -44,6 +44,8 @@
 //!   `store::id`.
 //! - [`audit`]: the audit trail (batched, off the request path) and retention purging.
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
+//! - [`console`]: the operators' HTML console on the admin listener (sign-in, needs attention,
+//!   entity timelines, keys, overview), server-rendered with no script.
 //! - [`cli_settle`]: `idemproxy keys release` and `keys complete`.
 //! - [`settle`]: an operator settles a key by hand (release, or complete with the real
 //!   answer), with the entity locks a request takes and an audit row with the note.
@@ -68,6 +70,7 @@ pub mod body;
 pub mod cli;
 pub mod cli_settle;
 pub mod config;
+pub mod console;
 pub mod error;
 pub mod error_format;
 pub mod explain;

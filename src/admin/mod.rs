@@ -63,6 +63,10 @@ pub async fn handle(live: Live, req: Request<Incoming>) -> Response<ProxyBody> {
             }
             admin_api(&state, &method, p).await
         }
+        // The console's pages, forms and assets (its own sign-in and CSRF checks).
+        (_, p) if crate::console::serves(p) => {
+            crate::console::handle(&state, req, admin_open(&state)).await
+        }
         _ => error(ProxyError::new(
             ErrorKind::NotFound,
             format!("no admin endpoint {method} {path}"),

@@ -1,0 +1,244 @@
+//! The console's two acts on a key whose outcome is unknown, each a form with a required
+//! note, settled through [`crate::settle`] exactly as the admin API and the CLI settle (the
+//! same entity locks, the same audit rows with the note):
+//!
+//! - Release (`POST /console/release`): the write did not happen; the next retry is sent.
+//! - Mark done (`POST /console/complete`): the write happened; the operator pastes the real
+//!   answer (status, headers, body) and retries get it, marked as set by an operator.
+//!
+//! After an act the browser is sent to the key's page (`303`), so a reload repeats nothing.
+
+use super::form::Form;
+use super::page::{self, key_href};
+use crate::key::entity_scope;
+use crate::settle::{self, Completion, Refused, Settler};
+use crate::state::AppState;
+use crate::store::{now_ms, KeyRecord, KeyState};
+use crate::upstream::ProxyBody;
+use bytes::Bytes;
+use http::{Response, StatusCode};
+use maud::{html, Markup};
+
+/// `POST /console/release`.
+pub async fn release(state: &AppState, form: &Form) -> Response<ProxyBody> {
+    let key = form.get("key").unwrap_or_default();
+    let done = async {
+        let note = settle::note(form.get("note"), true)?;
+        // Only a key whose every record is unknown (or released already): a page read a
+        // minute ago must not drop an answer a retry or a reconcile has stored since.
+        let records = state.store.find_key(key).await?;
+        let now = now_ms();
+        let known = |r: &KeyRecord| {
+            matches!(
+                r.effective_state(now),
+                KeyState::Completed | KeyState::InFlight
+            )
+        };
+        if records.is_empty() {
+            return Err(Refused::NoKey);
+        }
+        if records.iter().any(known) || !records.iter().any(settle::settleable) {
+            return Err(Refused::NotUnknown(records));
+        }
+        let (n, settled) = settler(state)
+            .release(key, note, settle::retention_of(&state.config))
+            .await?;
+        tracing::info!(
+            key,
+            released = n,
+            "key released by an operator in the console"
+        );
+        Ok(settled.audit)
+    };
+    finish(state, key, "released", done.await)
+}
+
+/// `POST /console/complete`.
+pub async fn complete(state: &AppState, form: &Form) -> Response<ProxyBody> {
+    let key = form.get("key").unwrap_or_default();
+    let done = async {
+        let note = settle::note(form.get("note"), true)?;
+        let completion = completion(form)?;
+        let settled = settler(state)
+            .complete(key, completion, note, settle::retention_of(&state.config))
+            .await?;
+        tracing::info!(key, "key completed by an operator in the console");
+        Ok(settled.audit)
+    };
+    finish(state, key, "completed", done.await)
+}
+
+/// The answer pasted into the form. Browsers send a textarea's line ends as CRLF: the body
+/// is stored with LF, as the object was most likely copied from an API's JSON.
+fn completion(form: &Form) -> Result<Completion, Refused> {
+    let status = form
+        .get("status")
+        .and_then(|s| s.trim().parse::<u16>().ok())
+        .ok_or_else(|| {
+            Refused::Invalid("the status is the real answer's HTTP status (200-599)".into())
+        })?;
+    let mut headers = Vec::new();
+    for line in form.get("headers").unwrap_or_default().lines() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let (name, value) = line.split_once(':').ok_or_else(|| {
+            Refused::Invalid(format!("header line {line:?} is not `Name: value`"))
+        })?;
+        headers.push((name.trim().to_owned(), value.trim().to_owned()));
+    }
+    let body = form.get("body").unwrap_or_default().replace("\r\n", "\n");
+    let field = |f: &str| form.get(f).filter(|v| !v.is_empty()).map(str::to_owned);
+    Ok(Completion {
+        status,
+        headers,
+        body: Bytes::from(body),
+        upstream: field("upstream"),
+        scope: field("scope"),
+    })
+}
+
+fn settler(state: &AppState) -> Settler<'_> {
+    Settler {
+        store: state.store.as_ref(),
+        locks: Some(&state.entity_locks),
+        owner: &state.owner,
+        lease: state.config.store.lease,
+    }
+}
+
+/// The audit rows written, then the key's page; or the refusal as a page.
+fn finish(
+    state: &AppState,
+    key: &str,
+    done: &str,
+    result: Result<Vec<crate::store::AuditRow>, Refused>,
+) -> Response<ProxyBody> {
+    match result {
+        Ok(rows) => {
+            for row in rows {
+                state.auditor.send(row);
+            }
+            page::redirect(&format!("{}&done={done}", key_href(key)), None)
+        }
+        Err(refused) => refusal(key, refused),
+    }
+}
+
+/// Why an act was refused, as a page; nothing changed.
+fn refusal(key: &str, r: Refused) -> Response<ProxyBody> {
+    let (status, message, records) = match r {
+        Refused::NoKey => (
+            StatusCode::NOT_FOUND,
+            "No record carries this key.".to_owned(),
+            vec![],
+        ),
+        Refused::NotUnknown(rs) => (
+            StatusCode::CONFLICT,
+            "Only a key whose outcome is unknown (or whose call's lease lapsed) can be settled; \
+             this one's is known, or its call may still be running."
+                .to_owned(),
+            rs,
+        ),
+        Refused::Ambiguous(rs) => (
+            StatusCode::CONFLICT,
+            "Several records carry this key: settle it from the record's own form.".to_owned(),
+            rs,
+        ),
+        Refused::Invalid(m) => (StatusCode::BAD_REQUEST, m, vec![]),
+        Refused::Busy => (
+            StatusCode::CONFLICT,
+            "The key's entities stayed locked by requests in flight; try again.".to_owned(),
+            vec![],
+        ),
+        Refused::Store(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("The store failed: {e}"),
+            vec![],
+        ),
+    };
+    let now = now_ms();
+    let body = html! {
+        h1 { "Nothing changed" }
+        p.problem { (message) }
+        @for r in &records {
+            p { code { (r.id.upstream) } " · scope " code { (entity_scope(&r.id.scope)) } ": "
+                (r.effective_state(now).as_str()) }
+        }
+        p { a href=(key_href(key)) { "Back to the key" } " · " a href="/" { "Needs attention" } }
+    };
+    page::respond(status, page::bare("Nothing changed", body))
+}
+
+/// The two acts' forms for record `r`, folded until opened (`<details>`: no script).
+pub fn forms(csrf: &str, r: &KeyRecord) -> Markup {
+    let scope = entity_scope(&r.id.scope);
+    html! {
+        div.acts {
+            details.act.release {
+                summary { "Release…" }
+                form method="post" action="/console/release" {
+                    input type="hidden" name="csrf" value=(csrf);
+                    input type="hidden" name="key" value=(r.id.key);
+                    p.hint { "The write did not happen: the next retry is sent upstream." }
+                    label { "Note (what you checked, what you found)"
+                        textarea name="note" required rows="2" {} }
+                    button type="submit" { "Release" }
+                }
+            }
+            details.act.complete {
+                summary { "Mark done…" }
+                form method="post" action="/console/complete" {
+                    input type="hidden" name="csrf" value=(csrf);
+                    input type="hidden" name="key" value=(r.id.key);
+                    input type="hidden" name="upstream" value=(r.id.upstream);
+                    input type="hidden" name="scope" value=(scope);
+                    p.hint { "The write happened: paste the real object. Retries get it, \
+                              marked as set by an operator; nothing is sent upstream." }
+                    label { "Status" input type="number" name="status" min="200" max="599" value="200" required; }
+                    label { "Headers (one `Name: value` a line)"
+                        textarea name="headers" rows="2" { "Content-Type: application/json" } }
+                    label { "Body" textarea name="body" rows="6" {} }
+                    label { "Note (what you checked, what you found)"
+                        textarea name="note" required rows="2" {} }
+                    button type="submit" { "Mark done" }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pasted_answer() {
+        let form = Form::of(&[
+            ("status", " 201 "),
+            (
+                "headers",
+                "Content-Type: application/json\r\n\r\nX-Id:  7 \r\n",
+            ),
+            ("body", "{\r\n  \"id\": 1\r\n}"),
+            ("scope", "0123456789abcdef"),
+            ("upstream", ""),
+        ]);
+        let c = completion(&form).map_err(|e| format!("{e:?}")).unwrap();
+        assert_eq!(c.status, 201);
+        assert_eq!(
+            c.headers,
+            [
+                ("Content-Type".into(), "application/json".into()),
+                ("X-Id".into(), "7".into())
+            ]
+        );
+        assert_eq!(&c.body[..], b"{\n  \"id\": 1\n}");
+        assert_eq!(
+            (c.upstream, c.scope.as_deref()),
+            (None, Some("0123456789abcdef"))
+        );
+        assert!(completion(&Form::of(&[("status", "x")])).is_err());
+        assert!(completion(&Form::of(&[("status", "200"), ("headers", "nocolon")])).is_err());
+    }
+}

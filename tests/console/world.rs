@@ -1,0 +1,222 @@
+//! What the console tests look at: the real binary on SQLite or PostgreSQL, with an admin
+//! token, in front of a recording upstream; and the night's traffic they then read in the
+//! console — three writes to one contact, writes whose answer was lost, and writes whose
+//! entity, key, workflow and stored answer are hostile markup.
+
+use super::common::backend::Backend;
+use super::common::*;
+use serde_json::json;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
+pub const TOKEN: &str = "console-test-token-5b1f";
+
+/// Markup that would set `window.__pwned` if a page ever let it run (the entity values are
+/// customer ids: the entities are `customer:` and them).
+pub const HOSTILE_ENTITY: &str = "<script>window.__pwned=1</script>";
+pub const HOSTILE_KEY: &str = "k\"><img/src=x/onerror=window.__pwned=2>";
+pub const HOSTILE_LOST_KEY: &str = "lost-<script>window.__pwned=3</script>";
+pub const JS_ENTITY: &str = "javascript:window.__pwned=4//";
+pub const HOSTILE_WORKFLOW: &str = "\"><img src=x onerror=window.__pwned=5>";
+pub const HOSTILE_BODY: &str = "<script>window.__pwned=6</script><img src=x onerror=\"window.__pwned=7\"><a href=\"javascript:window.__pwned=8\">x</a>";
+pub const HOSTILE_HEADER: &str = "\"><img src=x onerror=window.__pwned=9>";
+pub const SECRET_COOKIE: &str = "SECRET-COOKIE-0451";
+
+/// The proxy process, its upstream and its store.
+pub struct World {
+    pub proxy: ProxyProcess,
+    pub upstream: RecordingUpstream,
+    _backend: Backend,
+    _dir: TestDir,
+}
+
+const ROUTES: &str = r#"
+[[routes]]
+name = "charges"
+upstream = "api"
+methods = ["POST"]
+path = "/v1/charges"
+entity = "customer:{body.customer}"
+"#;
+
+impl World {
+    /// `None`: PostgreSQL is wanted and not installed (the harness said so loudly).
+    pub async fn start(pg: bool) -> Option<World> {
+        let backend = Backend::start(pg).await?;
+        let upstream = upstream().await;
+        let store = match &backend {
+            Backend::Sqlite => "[store]\n".to_owned(),
+            Backend::Pg(pg) => pg.store_toml(),
+        };
+        let server = format!("admin_token = \"{TOKEN}\"\n");
+        let routes = format!("{CONTACTS_ROUTE}\n{ROUTES}");
+        // Stored cookies too, so the console has one to hide.
+        let api = "store_set_cookie = true\n";
+        let toml = format!("{}\n{store}", api_config(&upstream, &server, api, &routes));
+        let dir = TestDir::new();
+        let proxy = ProxyProcess::spawn(&dir.write_config(&toml)).await;
+        Some(World {
+            proxy,
+            upstream,
+            _backend: backend,
+            _dir: dir,
+        })
+    }
+
+    /// A charge with `key` for `customer`.
+    pub async fn charge(&self, key: &str, customer: &str) -> Resp {
+        let body = json!({"customer": customer, "amount": 100});
+        post_json(&self.proxy.url("/api/v1/charges"), Some(key), &body, &[]).await
+    }
+
+    /// How many times the upstream received a charge with `key`.
+    pub fn sent(&self, key: &str) -> usize {
+        let requests = self.upstream.requests();
+        requests
+            .iter()
+            .filter(|r| r.header("idempotency-key") == Some(key))
+            .count()
+    }
+
+    /// `GET /admin/{path}` with the token: the JSON.
+    pub async fn admin(&self, path: &str) -> serde_json::Value {
+        let auth = format!("Bearer {TOKEN}");
+        let resp = request(
+            "GET",
+            &self.proxy.admin_url(path),
+            &[("authorization", &auth)],
+            "",
+        )
+        .await;
+        resp.assert_status(200);
+        resp.json()
+    }
+
+    /// The effective state of `key`'s first record, by the admin API.
+    pub async fn state_of(&self, key: &str) -> String {
+        let path = format!("/admin/keys/{}", encode(key));
+        self.admin(&path).await["records"][0]["state"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned()
+    }
+
+    /// The night: three writes to contact 901 (the second a retry, replayed; the third a stale
+    /// version, refused), three charges whose answer was lost, one of them hostile, and a
+    /// hostile charge whose answer is stored. Returns once every audit row is written.
+    pub async fn night(&self) {
+        let contact = self.proxy.url("/api/contacts/901");
+        let write = |key: &'static str, version: &'static str, run: &'static str| {
+            let headers = [
+                ("content-type", "application/json"),
+                ("x-request-id", key),
+                ("x-entity-version", version),
+                ("x-workflow-id", run),
+            ];
+            let url = contact.clone();
+            async move {
+                let body = r#"{"properties": {"lifecyclestage": "customer"}}"#;
+                request("PATCH", &url, &headers, body).await
+            }
+        };
+        let first = write("sync-901-a", "2", "run-nightly-0200").await;
+        assert_eq!((first.status, first.replayed()), (200, Some(false)));
+        let retry = write("sync-901-a", "2", "run-nightly-0200").await;
+        assert_eq!(retry.replayed(), Some(true));
+        let stale = write("sync-901-b", "1", "run-backfill-0315").await;
+        assert_eq!(stale.error_type(), Some("stale_version"));
+        assert_eq!(
+            self.upstream.count_path("/contacts/901"),
+            1,
+            "one write reached the API"
+        );
+
+        for (key, customer) in [
+            ("lost-release", "cus_1"),
+            ("lost-done", "cus_2"),
+            (HOSTILE_LOST_KEY, HOSTILE_ENTITY),
+        ] {
+            let lost = self.charge(key, customer).await;
+            assert_eq!(
+                lost.error_type(),
+                Some("upstream_timeout"),
+                "{key}: {}",
+                lost.text()
+            );
+        }
+        let body = json!({"customer": JS_ENTITY, "amount": 100});
+        let headers = [("x-workflow-id", HOSTILE_WORKFLOW)];
+        let stored = post_json(
+            &self.proxy.url("/api/v1/charges"),
+            Some(HOSTILE_KEY),
+            &body,
+            &headers,
+        )
+        .await;
+        stored.assert_status(200);
+        let hostile = format!("customer:{HOSTILE_ENTITY}");
+        let js = format!("customer:{JS_ENTITY}");
+        for (entity, rows) in [
+            ("contact:901", 3),
+            (&hostile, 1),
+            (&js, 1),
+            ("customer:cus_1", 1),
+        ] {
+            self.wait_for_history(entity, rows).await;
+        }
+    }
+
+    /// Waits until the audit rows of `entity` stand for `requests` requests (they are written
+    /// off the request path, alike replays folded into one row).
+    pub async fn wait_for_history(&self, entity: &str, requests: i64) {
+        let path = format!("/admin/entities/{}", encode(entity));
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            let report = self.admin(&path).await;
+            let rows = report["history"].as_array().cloned().unwrap_or_default();
+            if rows
+                .iter()
+                .filter_map(|r| r["requests"].as_i64())
+                .sum::<i64>()
+                >= requests
+            {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{requests} requests of {entity}: {report}"
+            );
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// The upstream: a charge whose key starts with `lost-` is taken and its connection dropped
+/// the first time (its outcome unknown), answered after; the hostile charge is answered with
+/// hostile headers and body, and a cookie; everything else with the default echo.
+async fn upstream() -> RecordingUpstream {
+    let seen: Arc<Mutex<HashSet<String>>> = Arc::default();
+    RecordingUpstream::builder()
+        .raw_http1()
+        .handler(move |rec, n| {
+            let key = rec.header("idempotency-key").unwrap_or_default().to_owned();
+            if key.starts_with("lost-") && seen.lock().unwrap().insert(key) {
+                return Reply::drop_connection();
+            }
+            if rec.header("idempotency-key") == Some(HOSTILE_KEY) {
+                return Reply::new(200)
+                    .header("content-type", "text/html")
+                    .header("x-evil", HOSTILE_HEADER)
+                    .header("set-cookie", &format!("session={SECRET_COOKIE}; HttpOnly"))
+                    .body(HOSTILE_BODY);
+            }
+            Reply::echo(rec, n)
+        })
+        .start()
+        .await
+}
+
+/// `s` percent-encoded for a path segment or a query value.
+pub fn encode(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+}
