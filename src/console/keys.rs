@@ -9,7 +9,7 @@
 
 use super::act;
 use super::decision;
-use super::page::{self, durations, entity_link, when, Frame, Nav};
+use super::page::{self, durations, entity_link, precise, when, Frame, Nav};
 use crate::key::entity_scope;
 use crate::settle::settleable;
 use crate::state::AppState;
@@ -50,7 +50,7 @@ pub async fn page(
                 button type="submit" { "Show it" }
             }
         };
-        return Ok((true, page::layout(frame, Nav::Key, "A key", body)));
+        return Ok((true, page::layout(frame, Nav::Key(""), "A key", body)));
     };
     let records = state.store.find_key(key).await?;
     let mut attempts = state.store.audit_for_key(key, LIMIT).await?;
@@ -83,7 +83,7 @@ pub async fn page(
                     @for (i, a) in attempts.iter().enumerate() {
                         tr class={ "row " (decision::kind(&a.decision).name()) } {
                             td.n { (i + 1) }
-                            td { (when(a.at, None)) }
+                            td.at { (precise(a.at)) }
                             td { code { (a.route) } }
                             td { @for e in &a.entities { (entity_link(e)) " " } }
                             td { @match &a.workflow { Some(w) => code.workflow { (w) }, None => span.none { "none" } } }
@@ -104,7 +104,7 @@ pub async fn page(
     };
     Ok((
         !records.is_empty(),
-        page::layout(frame, Nav::Key, key, body),
+        page::layout(frame, Nav::Key(key), key, body),
     ))
 }
 

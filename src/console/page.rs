@@ -18,13 +18,14 @@ use maud::{html, Markup, DOCTYPE};
 pub const CSP: &str = "default-src 'none'; style-src 'self'; img-src 'self'; \
                        form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
 
-/// Which navigation entry is the current page.
+/// Which navigation entry is the current page (the entity or key searched for stays in its
+/// search box).
 #[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Nav {
+pub enum Nav<'a> {
     Attention,
     Overview,
-    Entity,
-    Key,
+    Entity(&'a str),
+    Key(&'a str),
 }
 
 /// What the frame needs to know about the viewer.
@@ -37,6 +38,11 @@ pub struct Frame<'a> {
 /// A whole page: the frame around `body`.
 pub fn layout(frame: &Frame, nav: Nav, title: &str, body: Markup) -> Markup {
     let current = |n: Nav| if n == nav { "current" } else { "" };
+    let (entity, key) = match nav {
+        Nav::Entity(e) => (e, ""),
+        Nav::Key(k) => ("", k),
+        _ => ("", ""),
+    };
     html! {
         (DOCTYPE)
         html lang="en" {
@@ -56,12 +62,12 @@ pub fn layout(frame: &Frame, nav: Nav, title: &str, body: Markup) -> Markup {
                     }
                     form.search method="get" action="/console/entity" {
                         input type="search" name="e" placeholder="entity, e.g. contact:901"
-                            aria-label="Entity" class=(current(Nav::Entity));
+                            aria-label="Entity" value=(entity);
                         button type="submit" { "Timeline" }
                     }
                     form.search method="get" action="/console/key" {
                         input type="search" name="k" placeholder="idempotency key"
-                            aria-label="Key" class=(current(Nav::Key));
+                            aria-label="Key" value=(key);
                         button type="submit" { "Key" }
                     }
                     @if frame.signed_in {
@@ -193,6 +199,11 @@ pub fn badge(decision_text: &str) -> Markup {
 /// A badge of a given kind with its own text.
 pub fn kind_badge(kind: Kind, text: &str) -> Markup {
     html! { span class={ "badge " (kind.name()) } { (text) } }
+}
+
+/// A time in UTC to the millisecond: the order of a timeline's lines within one second.
+pub fn precise(ms: i64) -> Markup {
+    html! { time datetime=(clock::iso(ms)) { (clock::datetime(ms)) } }
 }
 
 /// A time in UTC, with its age when `now` is given.

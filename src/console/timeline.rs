@@ -3,7 +3,7 @@
 //! long it waited; above them, the entity's version and claim as they stand now.
 
 use super::decision;
-use super::page::{self, durations, key_link, when, Frame, Nav};
+use super::page::{self, durations, key_link, precise, when, Frame, Nav};
 use crate::state::AppState;
 use crate::store::{now_ms, EntityState, StoreResult};
 use maud::{html, Markup};
@@ -25,7 +25,12 @@ pub async fn page(
                 button type="submit" { "Show its timeline" }
             }
         };
-        return Ok(page::layout(frame, Nav::Entity, "Entity timeline", body));
+        return Ok(page::layout(
+            frame,
+            Nav::Entity(""),
+            "Entity timeline",
+            body,
+        ));
     };
     let states = state.store.find_entities(entity).await?;
     let mut rows = state.store.audit_for_entity(entity, LIMIT).await?;
@@ -48,7 +53,7 @@ pub async fn page(
                     @for (i, row) in rows.iter().enumerate() {
                         tr class={ "row " (decision::kind(&row.decision).name()) } {
                             td.n { (i + 1) }
-                            td { (when(row.at, None)) }
+                            td.at { (precise(row.at)) }
                             td { code { (row.route) } }
                             td { @match &row.key { Some(k) => (key_link(k)), None => span.none { "none" } } }
                             td { @match &row.workflow { Some(w) => code.workflow { (w) }, None => span.none { "none" } } }
@@ -67,7 +72,7 @@ pub async fn page(
             }
         }
     };
-    Ok(page::layout(frame, Nav::Entity, entity, body))
+    Ok(page::layout(frame, Nav::Entity(entity), entity, body))
 }
 
 /// The entity's version and claim now, for each credential scope that wrote it.

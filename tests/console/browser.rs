@@ -107,7 +107,7 @@ impl Browser {
             "--disable-gpu",
             "--disable-dev-shm-usage",
             "--no-first-run",
-            "--window-size=1400,1000",
+            "--window-size=1400,1300",
         ];
         caps.insert(
             "goog:chromeOptions".into(),

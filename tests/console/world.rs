@@ -26,10 +26,13 @@ pub const SECRET_COOKIE: &str = "SECRET-COOKIE-0451";
 pub struct World {
     pub proxy: ProxyProcess,
     pub upstream: RecordingUpstream,
+    config: std::path::PathBuf,
     _backend: Backend,
     _dir: TestDir,
 }
 
+/// Charges, and payments whose lost answers are looked up again by a reconcile read (which
+/// this upstream cannot answer: the key stays unknown, the read in its audit trail).
 const ROUTES: &str = r#"
 [[routes]]
 name = "charges"
@@ -37,6 +40,14 @@ upstream = "api"
 methods = ["POST"]
 path = "/v1/charges"
 entity = "customer:{body.customer}"
+
+[[routes]]
+name = "payments"
+upstream = "api"
+methods = ["POST"]
+path = "/v1/payments"
+entity = "customer:{body.customer}"
+reconcile = { method = "GET", path = "/v1/payments/{body.customer}", found = [200], not_found = [404], after = "0s" }
 "#;
 
 impl World {
@@ -44,20 +55,23 @@ impl World {
     pub async fn start(pg: bool) -> Option<World> {
         let backend = Backend::start(pg).await?;
         let upstream = upstream().await;
+        // A short lease: a write left in flight by a killed proxy lapses within a second.
         let store = match &backend {
             Backend::Sqlite => "[store]\n".to_owned(),
             Backend::Pg(pg) => pg.store_toml(),
-        };
+        } + "lease = \"1s\"\n";
         let server = format!("admin_token = \"{TOKEN}\"\n");
         let routes = format!("{CONTACTS_ROUTE}\n{ROUTES}");
         // Stored cookies too, so the console has one to hide.
         let api = "store_set_cookie = true\n";
         let toml = format!("{}\n{store}", api_config(&upstream, &server, api, &routes));
         let dir = TestDir::new();
-        let proxy = ProxyProcess::spawn(&dir.write_config(&toml)).await;
+        let config = dir.write_config(&toml);
+        let proxy = ProxyProcess::spawn(&config).await;
         Some(World {
             proxy,
             upstream,
+            config,
             _backend: backend,
             _dir: dir,
         })
@@ -69,13 +83,49 @@ impl World {
         post_json(&self.proxy.url("/api/v1/charges"), Some(key), &body, &[]).await
     }
 
-    /// How many times the upstream received a charge with `key`.
+    /// A payment (the reconciled route) with `key` for `customer`.
+    pub async fn pay(&self, key: &str, customer: &str) -> Resp {
+        let body = json!({"customer": customer, "amount": 100});
+        post_json(&self.proxy.url("/api/v1/payments"), Some(key), &body, &[]).await
+    }
+
+    /// How many writes with `key` the upstream received.
     pub fn sent(&self, key: &str) -> usize {
         let requests = self.upstream.requests();
-        requests
-            .iter()
+        let writes = requests.iter().filter(|r| r.method == http::Method::POST);
+        writes
             .filter(|r| r.header("idempotency-key") == Some(key))
             .count()
+    }
+
+    /// A charge the upstream takes and never answers, and the proxy killed while it waits: the
+    /// write is left in flight, and its lease lapses (its outcome unknown).
+    async fn lose_the_proxy_mid_call(&mut self) {
+        let url = self.proxy.url("/api/v1/charges");
+        let body = json!({"customer": "cus_3", "amount": 100}).to_string();
+        let before = self.upstream.count();
+        let call = tokio::spawn(async move {
+            let headers = [
+                ("content-type", "application/json"),
+                ("idempotency-key", "hang-lapsed"),
+            ];
+            try_request("POST", &url, &headers, body).await
+        });
+        self.upstream.wait_for_requests(before + 1).await;
+        self.proxy.kill().await;
+        assert!(
+            call.await.unwrap().is_err(),
+            "the caller never got an answer"
+        );
+        self.proxy = ProxyProcess::spawn(&self.config).await;
+        let deadline = std::time::Instant::now() + WAIT;
+        while self.state_of("hang-lapsed").await != "unknown" {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the lease of hang-lapsed never lapsed"
+            );
+            tokio::task::yield_now().await;
+        }
     }
 
     /// `GET /admin/{path}` with the token: the JSON.
@@ -104,7 +154,8 @@ impl World {
     /// The night: three writes to contact 901 (the second a retry, replayed; the third a stale
     /// version, refused), three charges whose answer was lost, one of them hostile, and a
     /// hostile charge whose answer is stored. Returns once every audit row is written.
-    pub async fn night(&self) {
+    pub async fn night(&mut self) {
+        self.lose_the_proxy_mid_call().await;
         let contact = self.proxy.url("/api/contacts/901");
         let write = |key: &'static str, version: &'static str, run: &'static str| {
             let headers = [
@@ -131,17 +182,17 @@ impl World {
             "one write reached the API"
         );
 
-        for (key, customer) in [
-            ("lost-release", "cus_1"),
-            ("lost-done", "cus_2"),
-            (HOSTILE_LOST_KEY, HOSTILE_ENTITY),
-        ] {
-            let lost = self.charge(key, customer).await;
+        let lost = [
+            self.charge("lost-release", "cus_1").await,
+            self.pay("lost-done", "cus_2").await,
+            self.charge(HOSTILE_LOST_KEY, HOSTILE_ENTITY).await,
+        ];
+        for resp in lost {
             assert_eq!(
-                lost.error_type(),
+                resp.error_type(),
                 Some("upstream_timeout"),
-                "{key}: {}",
-                lost.text()
+                "{}",
+                resp.text()
             );
         }
         let body = json!({"customer": JS_ENTITY, "amount": 100});
@@ -160,7 +211,7 @@ impl World {
             ("contact:901", 3),
             (&hostile, 1),
             (&js, 1),
-            ("customer:cus_1", 1),
+            ("customer:cus_2", 2),
         ] {
             self.wait_for_history(entity, rows).await;
         }
@@ -191,15 +242,22 @@ impl World {
     }
 }
 
-/// The upstream: a charge whose key starts with `lost-` is taken and its connection dropped
-/// the first time (its outcome unknown), answered after; the hostile charge is answered with
-/// hostile headers and body, and a cookie; everything else with the default echo.
+/// The upstream: a write whose key starts with `lost-` is taken and its connection dropped
+/// the first time (its outcome unknown), answered after; one whose key starts with `hang-` is
+/// never answered; the hostile charge is answered with hostile headers and body, and a cookie;
+/// a read (the reconcile's) with `503`; everything else with the default echo.
 async fn upstream() -> RecordingUpstream {
     let seen: Arc<Mutex<HashSet<String>>> = Arc::default();
     RecordingUpstream::builder()
         .raw_http1()
         .handler(move |rec, n| {
+            if rec.method == http::Method::GET {
+                return Reply::text(503, "the read replica is down");
+            }
             let key = rec.header("idempotency-key").unwrap_or_default().to_owned();
+            if key.starts_with("hang-") {
+                return Reply::hang();
+            }
             if key.starts_with("lost-") && seen.lock().unwrap().insert(key) {
                 return Reply::drop_connection();
             }
