@@ -11,6 +11,8 @@ use common::*;
 
 #[path = "console/browser.rs"]
 mod browser;
+#[path = "console/open.rs"]
+mod open;
 #[path = "console/world.rs"]
 mod world;
 
