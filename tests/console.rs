@@ -250,6 +250,22 @@ async fn hostile(w: &World, b: &Browser) {
     b.find("table.timeline").await;
     assert_eq!(b.text("h1 code").await, format!("customer:{JS_ENTITY}"));
     b.assert_unharmed().await;
+
+    // An `"><img>` entity, and its `javascript:` key: a link to the key's page.
+    let entity = format!("customer:{HOSTILE_IMG_ENTITY}");
+    let timeline = format!("/console/entity?e={}", encode(&entity));
+    b.goto(&w.proxy.admin_url(&timeline)).await;
+    assert_eq!(b.text("h1 code").await, entity);
+    b.assert_unharmed().await;
+    b.click("table.timeline td a.key").await;
+    b.find("section.record").await;
+    assert!(
+        b.at().await.starts_with("/console/key?k=javascript%3A"),
+        "{}",
+        b.at().await
+    );
+    assert_eq!(b.text("h1 code").await, JS_KEY);
+    b.assert_unharmed().await;
 }
 
 /// Per route, what was decided; the chart of it.
@@ -272,10 +288,18 @@ async fn overview(w: &World, b: &Browser) {
         ("payments", "reconciled", "1"),
         ("payments", "operator", "1"),
         ("payments", "replayed", "2"),
+        ("refunds", "forwarded", "1"),
+        ("refunds", "observed", "1"),
     ] {
         assert_eq!(b.text(&cell(route, kind)).await, n, "{route} {kind}");
     }
-    assert!(b.text("tr.detail").await.contains("stale_version 1"));
+    let refused = b.text("tr[data-detail='contact-update']").await;
+    assert!(refused.contains("refused: stale_version 1"), "{refused}");
+    let observed = b.text("tr[data-detail='refunds']").await;
+    assert!(
+        observed.contains("enforce would have: replay 1"),
+        "{observed}"
+    );
     assert!(
         !b.find_all("svg.chart rect").await.is_empty(),
         "the chart has bars"

@@ -35,6 +35,7 @@ pub fn bars(title: &str, from: i64, step: i64, buckets: &[Counts]) -> Markup {
             text.scale x="0" y="10" { (max) }
             text.scale x="0" y=(HEIGHT - 14.0) { "0" }
             text.scale x=(LEFT) y=(HEIGHT) { (clock::short(from)) }
+            text.scale.end x=(WIDTH) y=(HEIGHT) text-anchor="end" { "now" }
             @for (i, counts) in buckets.iter().enumerate() {
                 @let x = LEFT + i as f64 * slot;
                 @let segments = stack(counts, scale);

@@ -72,6 +72,10 @@ pub async fn handle(state: &AppState, req: Request<Incoming>, open: bool) -> Res
                  (127.0.0.1, [::1], localhost).",
             )
         }
+        // Signed in already: the sign-in page has nothing to offer.
+        (Access::Granted { .. }, Some(_)) if path == "/login" && method == Method::GET => {
+            return page::redirect("/", None)
+        }
         (_, Some(token)) if path == "/login" => return sign_in(state, req, token).await,
         (Access::SignIn, _) if method == Method::GET => return page::redirect("/login", None),
         (Access::SignIn, _) => {

@@ -77,7 +77,7 @@ pub async fn page(
                             td.total { (t.kinds.iter().sum::<i64>()) }
                         }
                         @if !t.refused.is_empty() || !t.observed.is_empty() {
-                            tr.detail { td colspan=(Kind::ALL.len() + 2) {
+                            tr.detail data-detail=(route) { td colspan=(Kind::ALL.len() + 2) {
                                 @if !t.refused.is_empty() {
                                     "refused: "
                                     @for (reason, n) in &t.refused { span.reason { code { (reason) } " " (n) } " " }

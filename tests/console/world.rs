@@ -21,6 +21,8 @@ pub const HOSTILE_WORKFLOW: &str = "\"><img src=x onerror=window.__pwned=5>";
 pub const HOSTILE_BODY: &str = "<script>window.__pwned=6</script><img src=x onerror=\"window.__pwned=7\"><a href=\"javascript:window.__pwned=8\">x</a>";
 pub const HOSTILE_HEADER: &str = "\"><img src=x onerror=window.__pwned=9>";
 pub const SECRET_COOKIE: &str = "SECRET-COOKIE-0451";
+pub const HOSTILE_IMG_ENTITY: &str = "\"><img src=x onerror=window.__pwned=11>";
+pub const JS_KEY: &str = "javascript:window.__pwned=12//";
 
 /// The proxy process, its upstream and its store.
 pub struct World {
@@ -31,8 +33,9 @@ pub struct World {
     _dir: TestDir,
 }
 
-/// Charges, and payments whose lost answers are looked up again by a reconcile read (which
-/// this upstream cannot answer: the key stays unknown, the read in its audit trail).
+/// Charges; payments, whose lost answers are looked up again by a reconcile read (which this
+/// upstream cannot answer: the key stays unknown, the read in its audit trail); refunds, in
+/// observe mode.
 const ROUTES: &str = r#"
 [[routes]]
 name = "charges"
@@ -48,6 +51,14 @@ methods = ["POST"]
 path = "/v1/payments"
 entity = "customer:{body.customer}"
 reconcile = { method = "GET", path = "/v1/payments/{body.customer}", found = [200], not_found = [404], after = "0s" }
+
+[[routes]]
+name = "refunds"
+upstream = "api"
+methods = ["POST"]
+path = "/v1/refunds"
+entity = "customer:{body.customer}"
+mode = "observe"
 "#;
 
 impl World {
@@ -151,9 +162,10 @@ impl World {
             .to_owned()
     }
 
-    /// The night: three writes to contact 901 (the second a retry, replayed; the third a stale
-    /// version, refused), three charges whose answer was lost, one of them hostile, and a
-    /// hostile charge whose answer is stored. Returns once every audit row is written.
+    /// The night: a write left in flight by a killed proxy, three writes to contact 901 (the
+    /// second a retry, replayed; the third a stale version, refused), three writes whose answer
+    /// was lost (one hostile), two hostile charges whose answers are stored, and a refund sent
+    /// twice in observe mode. Returns once every audit row is written.
     pub async fn night(&mut self) {
         self.lose_the_proxy_mid_call().await;
         let contact = self.proxy.url("/api/contacts/901");
@@ -205,13 +217,27 @@ impl World {
         )
         .await;
         stored.assert_status(200);
+        self.charge(JS_KEY, HOSTILE_IMG_ENTITY)
+            .await
+            .assert_status(200);
+        // Observe mode sends a duplicate on, and records that enforce mode would replay it.
+        let refund = json!({"customer": "cus_r", "amount": 100});
+        let url = self.proxy.url("/api/v1/refunds");
+        post_json(&url, Some("refund-1"), &refund, &[])
+            .await
+            .assert_status(200);
+        let again = post_json(&url, Some("refund-1"), &refund, &[]).await;
+        assert_eq!(again.header("idemproxy-observed"), Some("replay"));
         let hostile = format!("customer:{HOSTILE_ENTITY}");
         let js = format!("customer:{JS_ENTITY}");
+        let img = format!("customer:{HOSTILE_IMG_ENTITY}");
         for (entity, rows) in [
             ("contact:901", 3),
             (&hostile, 1),
             (&js, 1),
+            (&img, 1),
             ("customer:cus_2", 2),
+            ("customer:cus_r", 2),
         ] {
             self.wait_for_history(entity, rows).await;
         }
