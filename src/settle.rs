@@ -283,7 +283,7 @@ fn row(
         upstream_ms: None,
         expires_at: after_ms(retention(&r.route)),
         requests: 1,
-        scope: Some(entity_scope(&r.id.scope).to_owned()),
+        scope: Some(crate::store::ScopeId::of(entity_scope(&r.id.scope))),
         workflow: None,
         note,
     }

@@ -219,9 +219,9 @@ impl Ctx {
             upstream_ms: upstream.map(ms),
             expires_at: after_ms(self.route.retention),
             requests: 1,
-            scope: self
-                .evaluated
-                .then(|| crate::key::entity_scope(&self.prepared.id.scope).to_owned()),
+            scope: self.evaluated.then(|| {
+                crate::store::ScopeId::of(crate::key::entity_scope(&self.prepared.id.scope))
+            }),
             workflow: self.prepared.workflow.clone(),
             note: None,
         }

@@ -26,7 +26,7 @@ pub use answer::{
 };
 pub use error::{StoreError, StoreResult};
 pub use id::{KeyParts, ScopedKey};
-pub use records::{AuditRow, Claim, Effects, EntityState};
+pub use records::{AuditRow, Claim, Effects, EntityState, ScopeId};
 
 use async_trait::async_trait;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};

@@ -73,9 +73,57 @@ pub struct AuditRow {
     /// first one's time, with the slowest one's durations).
     pub requests: i64,
     /// The credential scope as a short id (see [`crate::key::entity_scope`]).
-    pub scope: Option<String>,
+    pub scope: Option<ScopeId>,
     /// The workflow id header's value, when the request carried one.
     pub workflow: Option<String>,
     /// An operator's note, on the rows of an operator's act.
     pub note: Option<String>,
+}
+
+/// A credential scope's short id (at most 16 characters: the start of its keyed hash), held
+/// inline: every protected request's audit row carries one, and a replay's whole cost is a few
+/// microseconds, so it must not cost an allocation.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct ScopeId {
+    bytes: [u8; 16],
+    len: u8,
+}
+
+impl ScopeId {
+    /// The first 16 characters of `text` (a hex id: one byte each).
+    pub fn of(text: &str) -> ScopeId {
+        let mut end = text.len().min(16);
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let mut bytes = [0u8; 16];
+        bytes[..end].copy_from_slice(&text.as_bytes()[..end]);
+        ScopeId {
+            bytes,
+            len: end as u8,
+        }
+    }
+
+    pub fn as_str(&self) -> &str {
+        // Cut at a character boundary in `of`, so always valid UTF-8.
+        std::str::from_utf8(&self.bytes[..self.len as usize]).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Display for ScopeId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::fmt::Debug for ScopeId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}", self.as_str())
+    }
+}
+
+impl serde::Serialize for ScopeId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.as_str())
+    }
 }

@@ -116,7 +116,10 @@ pub fn audit_row(row: &impl Cols) -> StoreResult<AuditRow> {
         upstream_ms: row.opt_int("upstream_ms")?,
         expires_at: row.int("expires_at")?,
         requests: row.int("requests")?,
-        scope: row.opt_text("scope")?,
+        scope: row
+            .opt_text("scope")?
+            .as_deref()
+            .map(crate::store::ScopeId::of),
         workflow: row.opt_text("workflow")?,
         note: row.opt_text("note")?,
     })

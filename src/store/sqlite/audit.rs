@@ -17,12 +17,17 @@ pub fn append_audit(conn: &Connection, rows: &[AuditRow]) -> StoreResult<()> {
         let (chunk, after) = rest.split_at(n);
         let mut stmt = conn.prepare_cached(sql)?;
         let entities: Vec<String> = chunk.iter().map(|r| encode_entities(&r.entities)).collect();
+        let scopes: Vec<Option<&str>> = chunk
+            .iter()
+            .map(|r| r.scope.as_ref().map(|s| s.as_str()))
+            .collect();
         let statuses: Vec<Option<i64>> = chunk
             .iter()
             .map(|r| r.upstream_status.map(i64::from))
             .collect();
         let mut values: Vec<&dyn rusqlite::ToSql> = Vec::with_capacity(n * AUDIT_FIELDS);
-        for ((r, entities), status) in chunk.iter().zip(&entities).zip(&statuses) {
+        let each = chunk.iter().zip(&entities).zip(&statuses).zip(&scopes);
+        for (((r, entities), status), scope) in each {
             values.extend([
                 &r.at as &dyn rusqlite::ToSql,
                 &r.upstream,
@@ -37,7 +42,7 @@ pub fn append_audit(conn: &Connection, rows: &[AuditRow]) -> StoreResult<()> {
                 &r.upstream_ms,
                 &r.expires_at,
                 &r.requests,
-                &r.scope,
+                scope,
                 &r.workflow,
                 &r.note,
             ]);
@@ -172,7 +177,7 @@ mod tests {
             upstream_ms: None,
             expires_at: i64::MAX,
             requests: n % 3 + 1,
-            scope: Some(format!("{n:016x}")),
+            scope: Some(crate::store::ScopeId::of(&format!("{n:016x}"))),
             workflow: (n % 2 == 0).then(|| format!("run-{n}")),
             note: (n % 5 == 0).then(|| format!("checked <b>{n}</b>")),
         }
