@@ -119,19 +119,23 @@ run() { # id label url script
   out=$("${WRK[@]}" -t$THREADS -c"$CONN" -d"${DUR}s" --latency -s "$3" "$2")
   # shellcheck disable=SC2086
   after=$(cpu_ticks $pids)
-  local rps p50 p99 errors n cpu
+  local rps p50 p99 p999 errors n cpu
   rps=$(echo "$out" | awk '/Requests\/sec/ {print $2}')
   p50=$(echo "$out" | awk '$1=="50%" {print $2}')
   p99=$(echo "$out" | awk '$1=="99%" {print $2}')
+  # From the scripts' done(): wrk's own percentiles stop at the 99th.
+  p999=$(echo "$out" | awk '$1=="P99.9" {print $2}')
   errors=$(echo "$out" | awk '/Non-2xx/ {print $5}')
   n=$(echo "$out" | awk '/requests in/ {print $1}')
   # The server side's CPU per request (µs): what each workload costs,
   # whatever share of the two cores wrk leaves it.
   cpu=$(awk -v t=$((after - before)) -v n="$n" -v hz="$(getconf CLK_TCK)" \
     'BEGIN {printf "%.1f", (n > 0 ? t * 1e6 / hz / n : 0)}')
-  printf '%-34s %12s req/s   p50 %8s   p99 %8s   CPU %6s us/req   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "$cpu" "${errors:-0}"
+  printf '%-34s %12s req/s   p50 %8s   p99 %8s   p99.9 %9s   CPU %6s us/req   non-2xx %s\n' "$1" "$rps" "$p50" "$p99" "${p999:-?}" "$cpu" "${errors:-0}"
   echo "$rps" > "$WORK/$id.$RUN.rps"
   echo "$p50" > "$WORK/$id.$RUN.p50"
+  echo "$p99" > "$WORK/$id.$RUN.p99"
+  echo "${p999:-}" > "$WORK/$id.$RUN.p999"
   echo "$cpu" > "$WORK/$id.$RUN.cpu"
 }
 one() { # id label url: one connection, the p50 is what counts
@@ -168,8 +172,8 @@ w, conn, runs = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 def r(n, i):
     p = w / f"{n}.{i}.rps"
     return float(p.read_text()) if p.exists() else None
-def ms(n, i):
-    p = w / f"{n}.{i}.p50"
+def ms(n, i, pct="p50"):
+    p = w / f"{n}.{i}.{pct}"
     if not p.exists():
         return None
     t = p.read_text().strip()
@@ -216,6 +220,23 @@ for name, key, goal in (("SQLite", "first1", "<= direct + 0.3 ms"), ("PostgreSQL
     if runs > 1 and v is not None:
         cell += " — runs " + ", ".join(f"{x:.2f}" for x in vs if x is not None)
     print(f"| first write, 1 connection, {name}, p50 | direct {d:.3f} ms | {cell} | {goal} |")
+# The tail: each workload's p50, p99 and p99.9 beside nginx's in the same run (the POST baseline,
+# or nginx's GET for the forward alone); the goal is a p99 within 2x of nginx's.
+print(f"\n| latency{label}, {conn} connections | p50 | p99 | p99.9 | p99 / nginx's p99 |\n|---|---|---|---|---|")
+def pcts(key):
+    return [med([ms(key, i, p) for i in each]) for p in ("p50", "p99", "p999")]
+for name, key, base in (("nginx proxy (POST)", "nginx", None), ("idemproxy replay", "replay", "nginx"),
+                        ("nginx proxy (GET)", "nginxget", None), ("idemproxy forward (GET)", "forward", "nginxget"),
+                        ("idemproxy first write, SQLite", "first", "nginx"),
+                        ("idemproxy first write + entity, SQLite", "entity", "nginx"),
+                        ("idemproxy first write, PostgreSQL", "pgfirst", "nginx"),
+                        ("idemproxy first write + entity, PostgreSQL", "pgentity", "nginx")):
+    p = pcts(key)
+    if p[0] is None:
+        continue
+    ratio = "" if base is None or pcts(base)[1] in (None, 0) else f"{p[1] / pcts(base)[1]:.2f}x"
+    cells = " | ".join("?" if x is None else f"{x:.3f} ms" for x in p)
+    print(f"| {name} | {cells} | {ratio} |")
 PY
 curl -fs "http://127.0.0.1:$ADMIN/metrics" | grep -E '^idemproxy_(forwards|replays|store_errors|audit_dropped)_total' || true
 # Memory after every workload: every first write above is a stored key, its answer cached.
