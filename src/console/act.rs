@@ -13,11 +13,15 @@ use super::page::{self, key_href};
 use crate::key::entity_scope;
 use crate::settle::{self, Completion, Refused, Settler};
 use crate::state::AppState;
-use crate::store::{now_ms, KeyRecord, KeyState};
+use crate::store::{now_ms, AuditRow, KeyRecord, KeyState};
 use crate::upstream::ProxyBody;
 use bytes::Bytes;
 use http::{Response, StatusCode};
 use maud::{html, Markup};
+use std::time::Duration;
+
+/// Longest wait for an act's audit row before its key's page is shown.
+const AUDITED: Duration = Duration::from_secs(2);
 
 /// `POST /console/release`.
 pub async fn release(state: &AppState, form: &Form) -> Response<ProxyBody> {
@@ -50,7 +54,7 @@ pub async fn release(state: &AppState, form: &Form) -> Response<ProxyBody> {
         );
         Ok(settled.audit)
     };
-    finish(state, key, "released", done.await)
+    finish(state, key, "released", done.await).await
 }
 
 /// `POST /console/complete`.
@@ -65,7 +69,7 @@ pub async fn complete(state: &AppState, form: &Form) -> Response<ProxyBody> {
         tracing::info!(key, "key completed by an operator in the console");
         Ok(settled.audit)
     };
-    finish(state, key, "completed", done.await)
+    finish(state, key, "completed", done.await).await
 }
 
 /// The answer pasted into the form. Browsers send a textarea's line ends as CRLF: the body
@@ -107,21 +111,40 @@ fn settler(state: &AppState) -> Settler<'_> {
     }
 }
 
-/// The audit rows written, then the key's page; or the refusal as a page.
-fn finish(
+/// The audit rows queued, then the key's page; or the refusal as a page.
+async fn finish(
     state: &AppState,
     key: &str,
     done: &str,
-    result: Result<Vec<crate::store::AuditRow>, Refused>,
+    result: Result<Vec<AuditRow>, Refused>,
 ) -> Response<ProxyBody> {
     match result {
         Ok(rows) => {
+            let last = rows.last().map(|r| (r.at, r.decision.clone()));
             for row in rows {
                 state.auditor.send(row);
+            }
+            if let Some(last) = last {
+                audited(state, key, last).await;
             }
             page::redirect(&format!("{}&done={done}", key_href(key)), None)
         }
         Err(refused) => refusal(key, refused),
+    }
+}
+
+/// Waits (at most [`AUDITED`]) until the act's audit row is written, so the page the operator
+/// lands on lists it. The row goes through the auditor like every other, which keeps each
+/// key's rows in order; the auditor writes a batch within milliseconds. After the wait the page
+/// is shown anyway: the row follows.
+async fn audited(state: &AppState, key: &str, (at, decision): (i64, String)) {
+    let deadline = tokio::time::Instant::now() + AUDITED;
+    while tokio::time::Instant::now() < deadline {
+        match state.store.audit_for_key(key, 10).await {
+            Ok(rows) if rows.iter().any(|r| r.at == at && r.decision == decision) => return,
+            Ok(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+            Err(_) => return,
+        }
     }
 }
 
