@@ -1,10 +1,13 @@
 //! The console (SPEC "The console"), in a real browser: Debian's chromium driven over
 //! WebDriver, against the real binary on SQLite and on PostgreSQL in front of a recording
-//! upstream. An operator signs in (a wrong token refused), reads the night's three writes to
-//! one contact as three lines, releases one lost write (its retry is sent exactly once) and
-//! marks another done (its retry gets the pasted object, never sent); a form without its CSRF
-//! token changes nothing; hostile entity names, keys, workflow ids, notes and stored answers
-//! run nothing. Screenshots go to `target/console-screens/`.
+//! upstream. An operator signs in (a wrong token refused); finds what needs attention oldest
+//! first (a write a killed proxy left in flight, lost answers, a failed reconcile read); reads
+//! the night's three writes to one contact as three lines; releases one lost write (its retry
+//! is sent exactly once) and marks another done (its retry gets the pasted object, never
+//! sent); reads the overview (observe mode's "would have" too); a form without its CSRF token
+//! changes nothing; hostile entity names, keys, workflow ids, notes and stored answers run
+//! nothing. Screenshots go to `target/console-screens/`. Plain-HTTP rules (no token, sealed
+//! answers) are in `console/open.rs`.
 
 mod common;
 use common::*;
@@ -59,7 +62,7 @@ async fn sign_in(w: &World, b: &Browser) {
     );
     b.screenshot("01-sign-in").await;
     b.type_into("#token", "not-the-token").await;
-    b.click("form.signin button").await;
+    b.navigate("form.signin button").await;
     assert_eq!(b.text("p.problem").await, "That is not the admin token.");
     assert!(
         b.client.get_all_cookies().await.unwrap().is_empty(),
@@ -68,7 +71,7 @@ async fn sign_in(w: &World, b: &Browser) {
     b.screenshot("02-sign-in-refused").await;
 
     b.type_into("#token", TOKEN).await;
-    b.click("form.signin button").await;
+    b.navigate("form.signin button").await;
     b.find("article.card").await;
     assert_eq!(b.at().await, "/");
     assert_eq!(b.text("h1").await, "Needs attention");
@@ -114,7 +117,7 @@ async fn release(w: &World, b: &Browser) {
     let note = "Checked the ledger: no charge for lost-release";
     b.type_into(&format!("{card} textarea[name=note]"), note)
         .await;
-    b.click(&format!("{card} button")).await;
+    b.navigate(&format!("{card} button")).await;
     assert!(b.text("p.flash").await.starts_with("Released"));
     let act = b
         .text("table.timeline tbody tr:last-child td.decision")
@@ -155,7 +158,7 @@ async fn mark_done(w: &World, b: &Browser) {
     let note = "Found ch_real_77 in the Stripe dashboard";
     b.type_into(&format!("{card} textarea[name=note]"), note)
         .await;
-    b.click(&format!("{card} button")).await;
+    b.navigate(&format!("{card} button")).await;
     assert!(b.text("p.flash").await.starts_with("Marked done"));
     let act = b
         .text("table.timeline tbody tr:last-child td.decision")
@@ -193,7 +196,7 @@ async fn timeline(_w: &World, b: &Browser) {
         "contact:901",
     )
     .await;
-    b.click("form[action='/console/entity'] button").await;
+    b.navigate("form[action='/console/entity'] button").await;
     b.find("table.timeline").await;
     assert_eq!(b.at().await, "/console/entity?e=contact%3A901");
     let rows = b.find_all("table.timeline tbody tr").await;
@@ -260,7 +263,7 @@ async fn hostile(w: &World, b: &Browser) {
     );
     b.screenshot("08-hostile-key").await;
     // The `javascript:` entity is a link to its timeline, not a script.
-    b.click("section.record dd a.entity").await;
+    b.navigate("section.record dd a.entity").await;
     b.find("table.timeline").await;
     assert_eq!(b.text("h1 code").await, format!("customer:{JS_ENTITY}"));
     b.assert_unharmed().await;
@@ -271,7 +274,7 @@ async fn hostile(w: &World, b: &Browser) {
     b.goto(&w.proxy.admin_url(&timeline)).await;
     assert_eq!(b.text("h1 code").await, entity);
     b.assert_unharmed().await;
-    b.click("table.timeline td a.key").await;
+    b.navigate("table.timeline td a.key").await;
     b.find("section.record").await;
     assert!(
         b.at().await.starts_with("/console/key?k=javascript%3A"),
@@ -287,7 +290,7 @@ async fn overview(w: &World, b: &Browser) {
     // Every act and retry above is in the audit trail (written off the request path).
     w.wait_for_history("customer:cus_1", 4).await;
     w.wait_for_history("customer:cus_2", 5).await;
-    b.click("header nav a[href='/console/overview']").await;
+    b.navigate("header nav a[href='/console/overview']").await;
     b.find("table.overview").await;
     b.assert_unharmed().await;
     let cell = |route: &str, kind: &str| format!("tr[data-route='{route}'] td.{kind}");
@@ -339,7 +342,7 @@ async fn csrf(w: &World, b: &Browser) {
         "document.querySelector('{form} input[name=csrf]').remove(); return null;"
     ))
     .await;
-    b.click(&format!("{form} button")).await;
+    b.navigate(&format!("{form} button")).await;
     assert_eq!(b.text("h1").await, "Refused: no valid CSRF token");
     b.screenshot("10-csrf-refused").await;
     assert_eq!(
@@ -386,7 +389,7 @@ async fn csrf(w: &World, b: &Browser) {
     let note = "<script>window.__pwned=10</script> checked: never charged";
     b.type_into(&format!("{form} textarea[name=note]"), note)
         .await;
-    b.click(&format!("{form} button")).await;
+    b.navigate(&format!("{form} button")).await;
     b.find("p.flash").await;
     // The page it lands on lists the act, with the note as written.
     assert_eq!(b.text("td.decision .note q").await, note);
@@ -400,7 +403,7 @@ async fn sign_out(w: &World, b: &Browser) {
     assert_eq!(left.len(), 1, "only the lapsed write is left");
     let key = left[0].attr("data-key").await.unwrap();
     assert_eq!(key.as_deref(), Some("hang-lapsed"));
-    b.click("form.signout button").await;
+    b.navigate("form.signout button").await;
     b.find("form.signin").await;
     b.goto(&w.proxy.admin_url("/console/overview")).await;
     assert_eq!(b.at().await, "/login", "signed out");

@@ -55,7 +55,7 @@ pub async fn handle(state: &AppState, req: Request<Incoming>, open: bool) -> Res
     let token = state.config.server.admin_token.as_deref();
     let method = req.method().clone();
     let access = session::access(token, open, req.uri(), req.headers());
-    let csrf = match (access, token) {
+    let (csrf, signed_in) = match (access, token) {
         (Access::Off, _) => {
             return page::problem(
                 StatusCode::FORBIDDEN,
@@ -87,7 +87,6 @@ pub async fn handle(state: &AppState, req: Request<Incoming>, open: bool) -> Res
         }
         (Access::Granted { csrf, signed_in }, _) => (csrf, signed_in),
     };
-    let (csrf, signed_in) = csrf;
     let frame = Frame {
         csrf: &csrf,
         signed_in,

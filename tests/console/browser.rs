@@ -171,6 +171,33 @@ impl Browser {
         self.find(css).await.text().await.expect("element text")
     }
 
+    /// Clicks `css` (a submit button or a link) and waits until the page it leads to has
+    /// loaded: a WebDriver click does not always wait for the navigation it starts, and an
+    /// element looked up meanwhile could be the old page's.
+    pub async fn navigate(&self, css: &str) {
+        self.script("window.__leaving = true; return null;").await;
+        self.click(css).await;
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            // While the next document loads, a script may find no context: not there yet.
+            let arrived = self
+                .client
+                .execute(
+                    "return window.__leaving === undefined && document.readyState === 'complete';",
+                    vec![],
+                )
+                .await;
+            if arrived.is_ok_and(|v| v == Value::Bool(true)) {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "clicking {css} led nowhere within 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// Types `text` into the field `css` (emptied first).
     pub async fn type_into(&self, css: &str, text: &str) {
         let field = self.find(css).await;
