@@ -235,7 +235,7 @@ mod tests {
             panic!("signed in");
         };
         assert!(csrf_ok(Some("t0ken"), &headers, &csrf));
-        let other = with_cookie(&new_session("t0ken", now_ms() - 1));
+        let other = with_cookie(&new_session("t0ken", now_ms() - 60_000));
         assert!(!csrf_ok(Some("t0ken"), &other, &csrf), "another session's");
         assert!(
             !csrf_ok(Some("t0ken"), &HeaderMap::new(), &csrf),
