@@ -83,28 +83,6 @@ fn assert_one_fresh_rest_replayed(answers: &[Resp]) {
     );
 }
 
-/// Runs `idemproxy <args> --config <config>` off the runtime; returns (success, stdout, stderr).
-async fn cli(config: std::path::PathBuf, args: &[&str]) -> (bool, String, String) {
-    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-    tokio::task::spawn_blocking(move || {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemproxy"))
-            .args(&args)
-            .arg("--config")
-            .arg(&config)
-            .env_remove("IDEMPROXY_STORE_URL")
-            .env_remove("IDEMPROXY_CONFIG")
-            .output()
-            .expect("run the idemproxy binary");
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    })
-    .await
-    .expect("cli task")
-}
-
 /// Twenty concurrent identical POSTs to `path` with one key, against a holding upstream.
 async fn storm_with_one_key(routes: &str, path: &str) {
     let upstream = RecordingUpstream::holding().await;

@@ -41,25 +41,11 @@ async fn admin_post(proxy: &TestProxy, path: &str, body: &Value) -> Resp {
     request("POST", &proxy.admin_url(path), &headers, body.to_string()).await
 }
 
-/// Runs the real binary's `keys …` on the proxy's own config.
-async fn cli(proxy: &TestProxy, args: &[&str]) -> (bool, String) {
+/// Runs the real binary's `keys …` on the proxy's own config: (success, stdout and stderr).
+async fn keys(proxy: &TestProxy, args: &[&str]) -> (bool, String) {
     let cfg = proxy.dir.write_file("cli.toml", &proxy.config_text);
-    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-    tokio::task::spawn_blocking(move || {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemproxy"))
-            .args(&args)
-            .arg("--config")
-            .arg(&cfg)
-            .env_remove("IDEMPROXY_STORE_URL")
-            .env_remove("IDEMPROXY_CONFIG")
-            .output()
-            .expect("run idemproxy");
-        let text = String::from_utf8_lossy(&out.stdout).into_owned()
-            + &String::from_utf8_lossy(&out.stderr);
-        (out.status.success(), text)
-    })
-    .await
-    .unwrap()
+    let (ok, out, err) = cli(cfg, args).await;
+    (ok, out + &err)
 }
 
 /// Polls the key's audit trail until a row with `decision` shows; returns it.
@@ -133,7 +119,7 @@ async fn settles_by_hand(store: &str) {
 
     // 2. The write did not happen: released with the CLI, forwarded exactly once more.
     charge(&proxy, "rel-1", "Bearer a").await.assert_status(504);
-    let (ok, out) = cli(
+    let (ok, out) = keys(
         &proxy,
         &[
             "keys",
@@ -168,20 +154,20 @@ async fn settles_by_hand(store: &str) {
         "--body-file",
         &body,
     ];
-    let (ok, out) = cli(&proxy, &args).await;
+    let (ok, out) = keys(&proxy, &args).await;
     assert!(!ok, "a note is required: {out}");
     let with_note = [
         &args[..],
         &["-H", "Content-Type: application/json", "--note", "seen"],
     ]
     .concat();
-    let (ok, out) = cli(&proxy, &with_note).await;
+    let (ok, out) = keys(&proxy, &with_note).await;
     assert!(ok, "{out}");
     let retry = charge(&proxy, "cli-1", "Bearer a").await;
     retry.assert_status(200);
     assert_eq!(retry.json()["id"], "ch_cli");
     assert_eq!(upstream.count(), 4, "never forwarded after keys complete");
-    let (ok, out) = cli(&proxy, &with_note).await;
+    let (ok, out) = keys(&proxy, &with_note).await;
     assert!(
         !ok && out.contains("unknown"),
         "a known outcome is not settled again: {out}"

@@ -287,3 +287,25 @@ pub fn faults_binary() -> Option<PathBuf> {
     ));
     None
 }
+
+/// Runs `idemproxy <args> --config <config>` off the runtime; returns (success, stdout, stderr).
+pub async fn cli(config: std::path::PathBuf, args: &[&str]) -> (bool, String, String) {
+    let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
+    tokio::task::spawn_blocking(move || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_idemproxy"))
+            .args(&args)
+            .arg("--config")
+            .arg(&config)
+            .env_remove("IDEMPROXY_STORE_URL")
+            .env_remove("IDEMPROXY_CONFIG")
+            .output()
+            .expect("run the idemproxy binary");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    })
+    .await
+    .expect("cli task")
+}

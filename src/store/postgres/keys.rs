@@ -158,12 +158,7 @@ impl Keys for PgStore {
         response: std::sync::Arc<StoredResponse>,
         expires_at: i64,
     ) -> StoreResult<bool> {
-        let done = Finish::Completed {
-            response,
-            expires_at,
-            effects: Effects::default(),
-        };
-        let c = done.into_columns(self.cipher.as_deref(), id, epoch)?;
+        let c = Finish::operator_columns(self.cipher.as_deref(), id, epoch, response, expires_at)?;
         // Whoever watches the key (a retry waiting on it, on any replica) reads it again.
         let rows = sqlx::query(&format!(
             "WITH u AS (UPDATE idem_keys SET state = 'completed', status = $1, headers = $2, \

@@ -308,12 +308,7 @@ impl Keys for SqliteStore {
         response: std::sync::Arc<StoredResponse>,
         expires_at: i64,
     ) -> StoreResult<bool> {
-        let done = Finish::Completed {
-            response,
-            expires_at,
-            effects: Effects::default(),
-        };
-        let c = done.into_columns(self.cipher.as_deref(), id, epoch)?;
+        let c = Finish::operator_columns(self.cipher.as_deref(), id, epoch, response, expires_at)?;
         let id = id.clone();
         self.writer
             .write(move |ctx| complete(ctx, &id, epoch, &c))
