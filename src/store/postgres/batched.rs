@@ -162,7 +162,7 @@ async fn insert(
         |f: fn(&Reservation) -> &str| -> Vec<&str> { group.iter().map(|&i| f(&rs[i])).collect() };
     let entities: Vec<String> = group
         .iter()
-        .map(|&i| codec::encode_entities(&rs[i].entities))
+        .map(|&i| codec::encode_entities(&rs[i].entities).into_owned())
         .collect();
     let leases: Vec<i64> = group.iter().map(|&i| lease_ms(rs[i].lease)).collect();
     let calls: Vec<i64> = group

@@ -16,7 +16,8 @@ pub fn append_audit(conn: &Connection, rows: &[AuditRow]) -> StoreResult<()> {
     {
         let (chunk, after) = rest.split_at(n);
         let mut stmt = conn.prepare_cached(sql)?;
-        let entities: Vec<String> = chunk.iter().map(|r| encode_entities(&r.entities)).collect();
+        let entities: Vec<std::borrow::Cow<str>> =
+            chunk.iter().map(|r| encode_entities(&r.entities)).collect();
         let scopes: Vec<Option<&str>> = chunk
             .iter()
             .map(|r| r.scope.as_ref().map(|s| s.as_str()))
