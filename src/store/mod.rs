@@ -26,7 +26,9 @@ pub use answer::{
 };
 pub use error::{StoreError, StoreResult};
 pub use id::{KeyParts, ScopedKey};
-pub use records::{AuditRow, Claim, Effects, EntityState, ScopeId};
+pub use records::{
+    AuditCount, AuditRow, Claim, Effects, EntityLease, EntityState, KeyFilter, ScopeId,
+};
 
 use async_trait::async_trait;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -197,33 +199,6 @@ pub type AfterCommit = Box<dyn FnOnce(StoreResult<bool>) + Send>;
 
 /// See [`Store::observe_releases`].
 pub type ReleaseObserver = std::sync::Arc<dyn Fn(Option<&str>) + Send + Sync>;
-
-/// A held cross-process lease on one entity, with its fencing epoch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EntityLease {
-    pub entity: String,
-    pub epoch: i64,
-}
-
-/// Filters for `keys list`.
-#[derive(Debug, Default, Clone)]
-pub struct KeyFilter {
-    pub entity: Option<String>,
-    pub state: Option<KeyState>,
-    pub limit: i64,
-    /// Oldest first (by last change) instead of newest first: what waits longest comes first.
-    pub oldest_first: bool,
-}
-
-/// Requests of one route that ended with one decision within one minute (the console's
-/// overview): `minute` is the minute's start, in ms since the epoch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct AuditCount {
-    pub route: String,
-    pub decision: String,
-    pub minute: i64,
-    pub requests: i64,
-}
 
 /// Idempotency keys: reserve before forwarding, store the outcome, replay, release.
 #[async_trait]

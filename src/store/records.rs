@@ -1,6 +1,6 @@
-//! Records of ordered persistence and of the audit trail.
+//! Records of ordered persistence and of the audit trail, and what operators ask of them.
 
-use super::ScopedKey;
+use super::{KeyState, ScopedKey};
 
 /// What the store knows of one entity.
 #[derive(Debug, Clone, PartialEq)]
@@ -126,4 +126,31 @@ impl serde::Serialize for ScopeId {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(self.as_str())
     }
+}
+
+/// A held cross-process lease on one entity, with its fencing epoch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntityLease {
+    pub entity: String,
+    pub epoch: i64,
+}
+
+/// Filters for `keys list`.
+#[derive(Debug, Default, Clone)]
+pub struct KeyFilter {
+    pub entity: Option<String>,
+    pub state: Option<KeyState>,
+    pub limit: i64,
+    /// Oldest first (by last change) instead of newest first: what waits longest comes first.
+    pub oldest_first: bool,
+}
+
+/// Requests of one route that ended with one decision within one minute (the console's
+/// overview): `minute` is the minute's start, in ms since the epoch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditCount {
+    pub route: String,
+    pub decision: String,
+    pub minute: i64,
+    pub requests: i64,
 }
