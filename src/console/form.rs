@@ -1,8 +1,11 @@
 //! A form the console posted to itself: `application/x-www-form-urlencoded`, read whole up to
-//! the listener's body limit (a pasted answer can be as large as a stored one).
+//! the listener's body limit (a pasted answer can be as large as a stored one) and within its
+//! `body_timeout` (the sign-in form is read before anyone is known: a client that trickles
+//! its bytes must not hold a connection forever).
 
 use http::{header, Request, StatusCode};
 use hyper::body::Incoming;
+use std::time::Duration;
 
 /// The fields of a posted form, in order.
 pub struct Form(Vec<(String, String)>);
@@ -19,8 +22,12 @@ impl Form {
             .map(|(_, v)| v.as_str())
     }
 
-    /// Reads the body of `req`, at most `max` bytes.
-    pub async fn read(req: Request<Incoming>, max: usize) -> Result<Form, Unreadable> {
+    /// Reads the body of `req`, at most `max` bytes, all of them within `within`.
+    pub async fn read(
+        req: Request<Incoming>,
+        max: usize,
+        within: Duration,
+    ) -> Result<Form, Unreadable> {
         use http_body_util::BodyExt;
         let urlencoded = req
             .headers()
@@ -33,9 +40,15 @@ impl Form {
                 "the console takes its own forms only (application/x-www-form-urlencoded)".into(),
             ));
         }
-        let bytes = http_body_util::Limited::new(req.into_body(), max)
-            .collect()
+        let collect = http_body_util::Limited::new(req.into_body(), max).collect();
+        let bytes = tokio::time::timeout(within, collect)
             .await
+            .map_err(|_| {
+                Unreadable(
+                    StatusCode::REQUEST_TIMEOUT,
+                    format!("the form did not arrive within body_timeout ({within:?})"),
+                )
+            })?
             .map_err(|e| Unreadable(StatusCode::PAYLOAD_TOO_LARGE, format!("the form: {e}")))?
             .to_bytes();
         Ok(Form(form_urlencoded::parse(&bytes).into_owned().collect()))

@@ -3,14 +3,16 @@
 //! outcome is unknown.
 //!
 //! The stored answer shows its headers and body, but never a credential or a cookie:
-//! `Set-Cookie`, `Authorization`, `Cookie`, `X-Api-Key` and `Proxy-Authorization` are named
-//! as hidden, their values left out. An answer this process cannot decrypt shows
+//! `Set-Cookie`, `Set-Cookie2` and every header the proxy knows to carry credentials
+//! ([`CREDENTIAL_HEADERS`]: `Authorization`, `Cookie`, `X-Api-Key`, `X-Auth-Token`, …) are
+//! named as hidden, their values left out. An answer this process cannot decrypt shows
 //! `<encrypted>`. The proxy's own markers (header names starting with `:`) are badges.
 
 use super::act;
 use super::decision;
 use super::page::{self, durations, entity_link, precise, when, Frame, Nav};
 use crate::key::entity_scope;
+use crate::key::scope::CREDENTIAL_HEADERS;
 use crate::settle::settleable;
 use crate::state::AppState;
 use crate::store::seal::ENCRYPTED;
@@ -20,14 +22,9 @@ use crate::store::{
 };
 use maud::{html, Markup};
 
-/// Headers whose values the console never shows.
-const HIDDEN: [&str; 5] = [
-    "set-cookie",
-    "authorization",
-    "cookie",
-    "x-api-key",
-    "proxy-authorization",
-];
+/// Headers whose values the console never shows, beside [`CREDENTIAL_HEADERS`]: the cookies
+/// an answer sets (both spellings; kept when an upstream sets `keep_cookies`).
+const COOKIES: [&str; 2] = ["set-cookie", "set-cookie2"];
 
 /// Most attempts shown (the newest, oldest first).
 const LIMIT: i64 = 200;
@@ -187,5 +184,45 @@ fn answer(resp: &StoredResponse) -> Markup {
 }
 
 fn hidden(name: &str) -> bool {
-    HIDDEN.iter().any(|h| name.eq_ignore_ascii_case(h))
+    COOKIES
+        .iter()
+        .chain(CREDENTIAL_HEADERS.iter())
+        .any(|h| name.eq_ignore_ascii_case(h))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    #[test]
+    fn a_stored_answer_never_shows_a_credential_or_a_cookie() {
+        let secret = "s3cr3t-value";
+        let names = [
+            "Set-Cookie",
+            "set-cookie2",
+            "Authorization",
+            "X-Auth-Token",
+            "x-access-token",
+            "X-Amz-Security-Token",
+            "Api-Key",
+            "private-token",
+        ];
+        let mut headers: Vec<(String, Bytes)> = names
+            .iter()
+            .map(|n| (n.to_string(), Bytes::from(secret)))
+            .collect();
+        headers.push(("content-type".into(), Bytes::from("application/json")));
+        let resp = StoredResponse {
+            status: 201,
+            headers,
+            body: Bytes::from("{}"),
+        };
+        let html = answer(&resp).into_string();
+        assert!(!html.contains(secret), "{html}");
+        assert!(html.contains("application/json"), "{html}");
+        for n in names {
+            assert!(html.contains(n), "{n} is named as hidden: {html}");
+        }
+    }
 }

@@ -97,7 +97,13 @@ pub async fn handle(state: &AppState, req: Request<Incoming>, open: bool) -> Res
         Method::POST => {
             let tls = session::over_tls(req.uri(), req.headers());
             let headers = req.headers().clone();
-            let form = match Form::read(req, state.config.server.max_body).await {
+            let form = match Form::read(
+                req,
+                state.config.server.max_body,
+                state.config.server.body_timeout,
+            )
+            .await
+            {
                 Ok(f) => f,
                 Err(form::Unreadable(status, m)) => {
                     return page::problem(status, "Not a console form", &m)
@@ -161,7 +167,13 @@ async fn sign_in(state: &AppState, req: Request<Incoming>, token: &str) -> Respo
     if req.method() != Method::POST {
         return page::respond(StatusCode::OK, login_page(None));
     }
-    let given = match Form::read(req, state.config.server.max_body).await {
+    let given = match Form::read(
+        req,
+        state.config.server.max_body,
+        state.config.server.body_timeout,
+    )
+    .await
+    {
         Ok(form) => form.get("token").unwrap_or_default().to_owned(),
         Err(form::Unreadable(status, m)) => return page::problem(status, "Not a sign-in form", &m),
     };

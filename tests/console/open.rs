@@ -144,3 +144,45 @@ fn base64_key() -> String {
     use base64::Engine as _;
     base64::engine::general_purpose::STANDARD.encode([1u8; 32])
 }
+
+#[tokio::test]
+async fn a_sign_in_form_that_trickles_is_cut_off_at_body_timeout() {
+    use std::time::{Duration, Instant};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = RecordingUpstream::builder().start().await;
+    let server = "admin_token = \"t0ken\"\nbody_timeout = \"1s\"\n";
+    let proxy = TestProxy::start(&api_config(&upstream, server, "", CHARGES_ROUTE)).await;
+    let addr = proxy.admin_addr.expect("an admin listener");
+    // No one is signed in yet: the sign-in form is read before anyone is known.
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /login HTTP/1.1\r\nHost: {addr}\r\n\
+         Content-Type: application/x-www-form-urlencoded\r\nContent-Length: 1000\r\n\r\ntoken="
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let start = Instant::now();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buf = [0u8; 4096];
+        loop {
+            match conn.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => answer.extend_from_slice(&buf[..n]),
+            }
+            if answer.windows(4).any(|w| w == b"\r\n\r\n") {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "the form is waited for past body_timeout");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("content-security-policy: default-src 'none'"),
+        "{answer}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
