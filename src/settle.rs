@@ -120,6 +120,34 @@ impl Settler<'_> {
         Ok((released, Settled { records, audit }))
     }
 
+    /// The write did not happen, for one record: the record of `key` (picked by `upstream`
+    /// and `scope` when several carry it) becomes forwardable — if its outcome is still
+    /// unknown once its entities are locked. An answer a retry or a reconcile read stored
+    /// meanwhile stands, and so do other callers' records of the same key.
+    pub async fn release_one(
+        &self,
+        key: &str,
+        upstream: Option<&str>,
+        scope: Option<&str>,
+        note: Option<String>,
+        retention: impl Fn(&str) -> Duration,
+    ) -> Result<Settled, Refused> {
+        let records = self.store.find_key(key).await?;
+        let record = pick(&records, upstream, scope)?;
+        if !settleable(record) {
+            return Err(Refused::NotUnknown(vec![record.clone()]));
+        }
+        let held = self.lock(&record.entities).await?;
+        let done = self.store.release_record(&record.id, record.epoch).await;
+        self.unlock(held).await;
+        if !done? {
+            return Err(Refused::NotUnknown(self.store.find_key(key).await?));
+        }
+        let audit = vec![row(record, "released_by_operator", None, note, &retention)];
+        let records = self.store.find_key(key).await?;
+        Ok(Settled { records, audit })
+    }
+
     /// The write happened: the record of `key` (picked by `upstream` and `scope` when several
     /// carry it) is completed with the operator's answer.
     pub async fn complete(
@@ -131,17 +159,7 @@ impl Settler<'_> {
     ) -> Result<Settled, Refused> {
         let response = Arc::new(answer(&c)?);
         let records = self.store.find_key(key).await?;
-        let picked: Vec<&KeyRecord> = records
-            .iter()
-            .filter(|r| c.upstream.as_ref().is_none_or(|u| *u == r.id.upstream))
-            .filter(|r| c.scope.as_ref().is_none_or(|s| picks_scope(s, &r.id)))
-            .collect();
-        let record = match picked.as_slice() {
-            [] if records.is_empty() => return Err(Refused::NoKey),
-            [] => return Err(Refused::Ambiguous(records)),
-            [one] => *one,
-            _ => return Err(Refused::Ambiguous(records)),
-        };
+        let record = pick(&records, c.upstream.as_deref(), c.scope.as_deref())?;
         if !settleable(record) {
             return Err(Refused::NotUnknown(vec![record.clone()]));
         }
@@ -234,6 +252,25 @@ fn answer(c: &Completion) -> Result<StoredResponse, Refused> {
         headers,
         body: c.body.clone(),
     })
+}
+
+/// The one record of a key that `upstream` and `scope` name (each may be left out when the
+/// rest pick one).
+fn pick<'r>(
+    records: &'r [KeyRecord],
+    upstream: Option<&str>,
+    scope: Option<&str>,
+) -> Result<&'r KeyRecord, Refused> {
+    let picked: Vec<&KeyRecord> = records
+        .iter()
+        .filter(|r| upstream.is_none_or(|u| u == r.id.upstream))
+        .filter(|r| scope.is_none_or(|s| picks_scope(s, &r.id)))
+        .collect();
+    match picked.as_slice() {
+        [] if records.is_empty() => Err(Refused::NoKey),
+        [one] => Ok(one),
+        _ => Err(Refused::Ambiguous(records.to_vec())),
+    }
 }
 
 /// Headers that describe one connection's framing, not the answer.

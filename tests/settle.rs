@@ -201,6 +201,46 @@ async fn settles_by_hand(store: &str) {
     let completed = if a.status == 200 { &a } else { &b };
     assert_eq!(completed.json()["id"], "ch_a");
     assert_eq!(upstream.count(), 6, "nothing forwarded by settling");
+
+    // 5. Released one record at a time: the other caller's record stays unknown, and a
+    //    record whose answer is stored is never released by it.
+    let (still, unknown_auth) = match a.status {
+        200 => (&records[1], "Bearer b"),
+        _ => (&records[0], "Bearer a"),
+    };
+    let one = json!({"upstream": "api", "scope": still["scope"], "note": "not there"});
+    let done = admin_post(&proxy, "/admin/keys/amb-1/release", &one).await;
+    done.assert_status(200);
+    let row = audit_row(&proxy, "amb-1", "released_by_operator").await;
+    assert_eq!(row["note"], "not there", "{row}");
+    charge(&proxy, "amb-1", unknown_auth)
+        .await
+        .assert_status(200);
+    assert_eq!(
+        upstream.count(),
+        7,
+        "the released record's retry is forwarded once"
+    );
+    let other = json!({"upstream": "api", "scope": picked["scope"], "note": "x"});
+    let refused = admin_post(&proxy, "/admin/keys/amb-1/release", &other).await;
+    assert_eq!(
+        refused.error_type(),
+        Some("not_settleable"),
+        "{}",
+        refused.text()
+    );
+    let kept = charge(
+        &proxy,
+        "amb-1",
+        if unknown_auth == "Bearer a" {
+            "Bearer b"
+        } else {
+            "Bearer a"
+        },
+    )
+    .await;
+    assert_eq!(kept.json()["id"], "ch_a", "the operator's answer stands");
+    assert_eq!(upstream.count(), 7);
 }
 
 #[tokio::test]

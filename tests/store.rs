@@ -7,6 +7,7 @@ use bytes::Bytes;
 use common::pg::PgServer;
 use idemproxy::store::{
     self, Finish, KeyFilter, KeyState, Reservation, Reserved, ScopedKey, Store, StoredResponse,
+    When,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -383,6 +384,51 @@ async fn suite(s: Arc<dyn Store>) {
         .await
         .unwrap();
     assert!(none.is_empty());
+
+    // An operator settles one record, at the epoch they saw, only while its outcome is unknown:
+    // never one a retry took over, never an answer stored meanwhile.
+    let e = owned(
+        s.reserve(reservation("op-1", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    let live = Arc::new(answer(7));
+    assert!(
+        !s.release_record(&id("op-1"), e).await.unwrap(),
+        "in flight with a live lease"
+    );
+    assert!(s
+        .finish(&id("op-1"), e, Finish::Unknown, When::Durable)
+        .await
+        .unwrap());
+    assert!(
+        !s.release_record(&id("op-1"), e + 1).await.unwrap(),
+        "another epoch"
+    );
+    assert!(s
+        .complete_key(&id("op-1"), e, live.clone(), far)
+        .await
+        .unwrap());
+    assert!(
+        !s.release_record(&id("op-1"), e).await.unwrap(),
+        "completed meanwhile"
+    );
+    assert!(
+        !s.complete_key(&id("op-1"), e, live, far).await.unwrap(),
+        "settled already"
+    );
+    let e = owned(
+        s.reserve(reservation("op-2", "fp", LONG, false))
+            .await
+            .unwrap(),
+    );
+    assert!(s
+        .finish(&id("op-2"), e, Finish::Unknown, When::Durable)
+        .await
+        .unwrap());
+    assert!(s.release_record(&id("op-2"), e).await.unwrap());
+    let rec = s.get(&id("op-2")).await.unwrap().unwrap();
+    assert_eq!(rec.state, KeyState::Released);
     s.ping().await.unwrap();
     s.close().await;
 }

@@ -25,6 +25,16 @@ pub async fn act(
     let retention = settle::retention_of(&state.config);
     let text = |field: &str| body.get(field).and_then(Value::as_str);
     let settled = match act {
+        // With `upstream` or `scope`: that one record, only while its outcome is unknown.
+        "release" if text("upstream").is_some() || text("scope").is_some() => {
+            let note = settle::note(text("note"), false).map_err(refused)?;
+            let settled = settler
+                .release_one(key, text("upstream"), text("scope"), note, retention)
+                .await
+                .map_err(refused)?;
+            tracing::info!(key, "one record of a key released by an operator");
+            (Some(1), settled)
+        }
         "release" => {
             let note = settle::note(text("note"), false).map_err(refused)?;
             let (n, settled) = settler

@@ -13,7 +13,7 @@ use super::page::{self, key_href};
 use crate::key::entity_scope;
 use crate::settle::{self, Completion, Refused, Settler};
 use crate::state::AppState;
-use crate::store::{now_ms, AuditRow, KeyRecord, KeyState};
+use crate::store::{now_ms, AuditRow, KeyRecord};
 use crate::upstream::ProxyBody;
 use bytes::Bytes;
 use http::{Response, StatusCode};
@@ -28,30 +28,20 @@ pub async fn release(state: &AppState, form: &Form) -> Response<ProxyBody> {
     let key = form.get("key").unwrap_or_default();
     let done = async {
         let note = settle::note(form.get("note"), true)?;
-        // Only a key whose every record is unknown (or released already): a page read a
-        // minute ago must not drop an answer a retry or a reconcile has stored since.
-        let records = state.store.find_key(key).await?;
-        let now = now_ms();
-        let known = |r: &KeyRecord| {
-            matches!(
-                r.effective_state(now),
-                KeyState::Completed | KeyState::InFlight
+        // This record only, and only while its outcome is still unknown (checked under the
+        // entity locks): a page read a minute ago must not drop an answer a retry or a
+        // reconcile read has stored since, nor another caller's record of the same key.
+        let field = |f: &str| form.get(f).filter(|v| !v.is_empty());
+        let settled = settler(state)
+            .release_one(
+                key,
+                field("upstream"),
+                field("scope"),
+                note,
+                settle::retention_of(&state.config),
             )
-        };
-        if records.is_empty() {
-            return Err(Refused::NoKey);
-        }
-        if records.iter().any(known) || !records.iter().any(settle::settleable) {
-            return Err(Refused::NotUnknown(records));
-        }
-        let (n, settled) = settler(state)
-            .release(key, note, settle::retention_of(&state.config))
             .await?;
-        tracing::info!(
-            key,
-            released = n,
-            "key released by an operator in the console"
-        );
+        tracing::info!(key, "key released by an operator in the console");
         Ok(settled.audit)
     };
     finish(state, key, "released", done.await).await
@@ -203,6 +193,8 @@ pub fn forms(csrf: &str, r: &KeyRecord) -> Markup {
                 form method="post" action="/console/release" {
                     input type="hidden" name="csrf" value=(csrf);
                     input type="hidden" name="key" value=(r.id.key);
+                    input type="hidden" name="upstream" value=(r.id.upstream);
+                    input type="hidden" name="scope" value=(scope);
                     p.hint { "The write did not happen: the next retry is sent upstream." }
                     label { "Note (what you checked, what you found)"
                         textarea name="note" required rows="2" {} }

@@ -192,6 +192,10 @@ impl Keys for CachedStore {
             .complete_key(id, epoch, response, expires_at)
             .await
     }
+    async fn release_record(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool> {
+        // Only an unknown record: never one the cache holds.
+        self.inner.release_record(id, epoch).await
+    }
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
         self.settling.settle().await;
         self.inner.find_key(key).await

@@ -267,6 +267,10 @@ pub trait Keys: Send + Sync + 'static {
         response: std::sync::Arc<StoredResponse>,
         expires_at: i64,
     ) -> StoreResult<bool>;
+    /// Operator release of one record whose write did not happen: `id`, seen at `epoch` with
+    /// its outcome unknown (or in flight with its lease lapsed), becomes released. `false`
+    /// when it is no longer so — an answer stored meanwhile is never dropped by it.
+    async fn release_record(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool>;
     /// Every record with this key, any upstream or scope.
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>>;
     async fn list_keys(&self, filter: &KeyFilter) -> StoreResult<Vec<KeyRecord>>;

@@ -181,6 +181,23 @@ impl Keys for PgStore {
         .await?;
         Ok(rows.len() == 1)
     }
+    async fn release_record(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool> {
+        // Whoever watches the key (a retry waiting on it, on any replica) reads it again.
+        let rows = sqlx::query(&format!(
+            "WITH u AS (UPDATE idem_keys SET state = 'released', owner = NULL, updated_at = {NOW} \
+             WHERE upstream = $1 AND scope = $2 AND key = $3 AND epoch = $4 AND {} \
+             RETURNING upstream, scope, key) \
+             SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u",
+            rules::settleable(NOW)
+        ))
+        .bind(&id.upstream)
+        .bind(&id.scope)
+        .bind(&id.key)
+        .bind(epoch)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.len() == 1)
+    }
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
         let rows = sqlx::query(&format!(
             "SELECT {COLUMNS} FROM idem_keys WHERE key = $1 ORDER BY created_at"

@@ -314,6 +314,22 @@ impl Keys for SqliteStore {
             .write(move |ctx| complete(ctx, &id, epoch, &c))
             .await
     }
+    async fn release_record(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool> {
+        let id = id.clone();
+        self.writer
+            .write(move |ctx| {
+                let sql = format!(
+                    "UPDATE idem_keys SET state = 'released', owner = NULL, updated_at = ?1 \
+                     WHERE upstream = ?2 AND scope = ?3 AND key = ?4 AND epoch = ?5 AND {}",
+                    rules::settleable("?1")
+                );
+                let n = ctx
+                    .conn
+                    .execute(&sql, params![ctx.now, id.upstream, id.scope, id.key, epoch])?;
+                Ok(n == 1)
+            })
+            .await
+    }
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
         let rows = sqlx::query(&format!(
             "SELECT {KEY_COLUMNS} FROM idem_keys WHERE key = ? ORDER BY created_at"
