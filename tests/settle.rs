@@ -255,3 +255,37 @@ async fn an_operator_settles_unknown_outcomes_on_postgres() {
     };
     settles_by_hand(&pg.store_toml()).await;
 }
+
+/// Without an admin token (a loopback admin listener), no page in a browser on this machine
+/// may settle a key: not by a cross-site POST (`Origin`, `Sec-Fetch-Site`) and not through a
+/// name of its own rebound to 127.0.0.1 (`Host`). Nothing changes: the key stays unknown and
+/// its retry is still refused, never forwarded.
+#[tokio::test]
+async fn without_a_token_no_other_site_settles_a_key() {
+    let upstream = upstream().await;
+    let proxy = TestProxy::start(&config(&upstream, "")).await;
+    charge(&proxy, "site-1", "Bearer a")
+        .await
+        .assert_status(504);
+    let url = proxy.admin_url("/admin/keys/site-1/release");
+    let json = ("content-type", "text/plain");
+    for (name, value) in [
+        ("origin", "http://evil.example"),
+        ("origin", "null"),
+        ("sec-fetch-site", "cross-site"),
+        ("host", "evil.example"),
+    ] {
+        let refused = request("POST", &url, &[json, (name, value)], "{}").await;
+        assert_eq!(refused.status, 403, "{name}: {value}: {}", refused.text());
+        let shown = get(&proxy.admin_url("/admin/keys/site-1")).await.json();
+        assert_eq!(shown["records"][0]["state"], "unknown", "{shown}");
+    }
+    assert_eq!(
+        charge(&proxy, "site-1", "Bearer a").await.error_type(),
+        Some("outcome_unknown")
+    );
+    assert_eq!(upstream.count(), 1);
+    // This machine's own tools (and a page of the console's origin) still may.
+    let own = [json, ("origin", "http://127.0.0.1:9090")];
+    request("POST", &url, &own, "{}").await.assert_status(200);
+}

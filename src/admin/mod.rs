@@ -55,6 +55,12 @@ pub async fn handle(live: Live, req: Request<Incoming>) -> Response<ProxyBody> {
                     "a valid bearer token is required",
                 ));
             }
+            if state.config.server.admin_token.is_none() && !from_this_machine(&req) {
+                return error(ProxyError::new(
+                    ErrorKind::Forbidden,
+                    "without an admin_token, /admin/* answers only requests for a loopback host that no other site's page sent",
+                ));
+            }
             if (&method, p) == (&Method::POST, "/admin/reload") {
                 return reloaded(&live).await;
             }
@@ -109,14 +115,40 @@ fn authorized(state: &AppState, req: &Request<Incoming>) -> bool {
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "));
-    // Constant-time comparison: the token must not leak through timing.
+    // Compared as digests, in constant time: neither the token nor its length leaks through
+    // timing (a comparison that stops at a length mismatch tells the length).
     given.is_some_and(|g| {
-        g.len() == token.len()
-            && g.bytes()
-                .zip(token.bytes())
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
+        use sha2::{Digest, Sha256};
+        let (a, b) = (
+            Sha256::digest(g.as_bytes()),
+            Sha256::digest(token.as_bytes()),
+        );
+        a.iter()
+            .zip(b.iter())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
     })
+}
+
+/// Without a token, whoever reaches a loopback admin listener may use `/admin/*` — but a page
+/// in a browser on this machine must not: not through a name of its own rebound to 127.0.0.1
+/// (the Host is then not a loopback name), and not by a cross-site POST (the browser says where
+/// it came from in `Origin` and `Sec-Fetch-Site`). curl and scripts send neither.
+fn from_this_machine(req: &Request<Incoming>) -> bool {
+    let headers = req.headers();
+    let cross_site = headers
+        .get("sec-fetch-site")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"cross-site"));
+    // Any origin but a loopback one is foreign, `null` (a sandboxed frame) included.
+    let loopback = crate::console::loopback_host;
+    let foreign_origin = headers.get(header::ORIGIN).is_some_and(|v| {
+        v.to_str()
+            .ok()
+            .and_then(|o| o.parse::<http::Uri>().ok())
+            .filter(|o| o.host().is_some())
+            .is_none_or(|o| !loopback(&o, &http::HeaderMap::new()))
+    });
+    loopback(req.uri(), headers) && !cross_site && !foreign_origin
 }
 
 async fn admin_api(state: &AppState, method: &Method, path: &str) -> Response<ProxyBody> {

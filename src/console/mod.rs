@@ -26,6 +26,7 @@ mod keys;
 mod overview;
 mod page;
 mod session;
+pub use session::loopback_host;
 mod timeline;
 
 use crate::state::AppState;

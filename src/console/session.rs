@@ -182,8 +182,8 @@ fn process_key() -> Option<&'static Key> {
 }
 
 /// Whether the host the browser asked for is a loopback name or address (or none was given:
-/// not a browser).
-fn loopback_host(uri: &Uri, headers: &HeaderMap) -> bool {
+/// not a browser). Also the admin API's guard without a token (`crate::admin`).
+pub fn loopback_host(uri: &Uri, headers: &HeaderMap) -> bool {
     let host = match uri.host() {
         Some(h) => h.to_owned(),
         None => match headers.get(HOST).and_then(|v| v.to_str().ok()) {
