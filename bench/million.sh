@@ -5,6 +5,7 @@
 #     the purge has work), at a light load of 4 connections;
 #   - replays that miss the replay cache (random keys among the million) beside replays that
 #     hit it (one key): req/s and the proxy's CPU per replay (utime+stime from /proc);
+#   - replays of keys drawn uniformly from the 10k and from all (8 connections): p50, p99, p99.9;
 #   - the proxy's RSS after each phase, beside the replay cache's limit.
 # The keys are written straight into the database (a bulk INSERT while the proxy is stopped),
 # with the scope and fingerprint of a probe request, so they replay like keys the proxy stored.
@@ -84,6 +85,36 @@ function request()
 end
 LUA
 
+# Replays of keys drawn uniformly from pre-1..pre-N (the 5% past retention skipped: those would
+# be first writes), as a new user's test would: at 8 connections, with the tail.
+uniform_lua() { # n
+  cat <<LUA
+wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = '$BODY'
+function request()
+  local k = math.random(1, $1)
+  if k % 20 == 0 then k = k - 1 end
+  wrk.headers["Idempotency-Key"] = "pre-" .. k
+  return wrk.format()
+end
+function done(summary, latency, requests)
+  for _, p in ipairs({50, 99, 99.9}) do
+    io.write(string.format("P%s %.3fms\n", p, latency:percentile(p) / 1000))
+  end
+end
+LUA
+}
+uniform() { # label n
+  uniform_lua "$2" > "$WORK/uniform.lua"
+  wrk -t2 -c8 -d3s -s "$WORK/uniform.lua" "http://127.0.0.1:$PROXY/api/v1/charges" >/dev/null
+  local out
+  out=$(wrk -t2 -c8 -d10s -s "$WORK/uniform.lua" "http://127.0.0.1:$PROXY/api/v1/charges")
+  printf '%-28s %9s req/s   p50 %9s   p99 %9s   p99.9 %9s\n' "$1" \
+    "$(echo "$out" | awk '/Requests\/sec/ {print $2}')" "$(echo "$out" | awk '$1=="P50" {print $2}')" \
+    "$(echo "$out" | awk '$1=="P99" {print $2}')" "$(echo "$out" | awk '$1=="P99.9" {print $2}')"
+}
+
 serve proxy "$WORK/proxy.toml" "$ADMIN"
 curl -fs -X POST -H 'Content-Type: application/json' -H 'Idempotency-Key: probe' -d "$BODY" \
   "http://127.0.0.1:$PROXY/api/v1/charges" >/dev/null
@@ -91,8 +122,10 @@ echo "$(nproc) cores; first writes at 4 connections for ${WINDOW}s per line (spa
 printf '%-28s RSS %s\n' "started" "$(rss)"
 fill 1 10000
 window "10k stored keys"
+uniform "replay, uniform over 10k" 10000
 fill 10001 "$KEYS"
 window "$KEYS stored keys"
+uniform "replay, uniform over $KEYS" "$KEYS"
 curl -fs -X POST -H 'Content-Type: application/json' -H 'Idempotency-Key: probe' -d "$BODY" \
   "http://127.0.0.1:$PROXY/api/v1/charges" >/dev/null
 replays "replay, cache hit" bench/replay.lua
