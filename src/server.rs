@@ -74,7 +74,7 @@ impl Server {
         );
         if check.legacy_keys {
             tracing::info!(
-                "keys stored by the first release remain: look-ups also try their unkeyed scopes"
+                "keys stored before scopes were keyed remain: look-ups also try their unkeyed scopes"
             );
         }
         // Before the clients: each keeps a pool of upstream connections per serving thread.

@@ -29,7 +29,7 @@ pub struct AppState {
     pub auditor: crate::audit::Auditor,
     /// Keys credential scopes with the store's scope secret.
     pub scoper: Arc<crate::key::ScopeKeyer>,
-    /// Keys stored by the first release (unkeyed scopes) may still be in the store: a look-up
+    /// Keys stored before scopes were keyed (unkeyed scopes) may still be in the store: a look-up
     /// that finds nothing under the keyed scope also tries the old one.
     pub legacy_scopes: bool,
 }

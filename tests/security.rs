@@ -240,7 +240,7 @@ async fn credential_scopes_are_keyed_and_an_upgrade_keeps_old_keys() {
     use idemproxy::store::{Finish, Reservation, Reserved, ScopedKey, StoredResponse};
     let upstream = RecordingUpstream::start().await;
     let dir = TestDir::new();
-    // A key stored by the first release: its scope is the plain SHA-256 of Authorization.
+    // A key stored before scopes were keyed: its scope is the plain SHA-256 of Authorization.
     {
         let store = idemproxy::store::open(
             &dir.db_url(),

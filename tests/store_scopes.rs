@@ -1,6 +1,7 @@
-//! The second release's store surface, run against SQLite and PostgreSQL alike: entities
-//! scoped by credential (operators address them by bare name), the scope secret's id, the
-//! first release's unkeyed scopes, and the replay cache layer a serving process keeps.
+//! The store's credential-scoped surface, run against SQLite and PostgreSQL alike: entities
+//! scoped by credential (operators address them by bare name), the scope secret's id, unkeyed
+//! scopes of records stored before scopes were keyed, and the replay cache layer a serving
+//! process keeps.
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! Credential scopes: which headers carry credentials, the keyed hash that scopes stored keys
-//! and entities, and the first release's unkeyed scope (read only, for upgrades).
+//! and entities, and the unkeyed scope of records stored before scopes were keyed (read only,
+//! for upgrades).
 
 use http::{HeaderMap, HeaderName};
 use sha2::{Digest, Sha256};
@@ -108,7 +109,7 @@ fn scope_of(ctx: ring::hmac::Context) -> String {
     scope
 }
 
-/// The first release's scope: plain SHA-256 of `Authorization` and the upstream's scope
+/// The unkeyed scope, as records stored before scopes were keyed carry it: plain SHA-256 of `Authorization` and the upstream's scope
 /// headers. Only read, to find keys stored before the upgrade (see the pipeline's look-up).
 pub fn legacy_scope(headers: &HeaderMap, scope_headers: &[HeaderName]) -> String {
     let mut h = Sha256::new();

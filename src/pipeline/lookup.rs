@@ -231,7 +231,7 @@ async fn wait_foreign(
     Ok(())
 }
 
-/// A key stored by the first release has an unkeyed scope. Called when the keyed scope found
+/// A key stored before scopes were keyed has an unkeyed scope. Called when the keyed scope found
 /// nothing: the old scope's record, if there is one, is this request's (an upgrade must never
 /// make a stored key look new to its own caller's retry).
 async fn adopt_legacy_scope(ctx: &mut Ctx) -> ProxyResult<Option<KeyRecord>> {

@@ -181,7 +181,7 @@ pub struct Ctx {
     unsent: Option<(http::request::Parts, bytes::Bytes)>,
     /// The upstream request, built once.
     outgoing: forward::Outgoing,
-    /// Step 1: the first release's (unkeyed) scope of this request, when keys stored before the
+    /// Step 1: the unkeyed scope of this request (as records stored before scopes were keyed carry it), when keys stored before the
     /// upgrade may remain (see `lookup`), and whether the request carries credentials that
     /// scope left out (then an old record may be another caller's).
     legacy_scope: Option<(String, bool)>,

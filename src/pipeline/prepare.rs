@@ -56,7 +56,7 @@ pub(super) async fn step(
     ctx.prepared = prepared?;
     ctx.prepared.workflow = workflow(server.workflow_header.as_ref(), &parts.headers);
     ctx.evaluated = true;
-    // The first release scoped keys by `Authorization` and `scope_headers` only: a request that
+    // Unkeyed scopes (records stored before scopes were keyed) hashed `Authorization` and `scope_headers` only: a request that
     // also carries another credential header (a cookie, an API key) shares that old scope with
     // callers it may not be.
     if ctx.state.legacy_scopes {

@@ -373,7 +373,7 @@ pub trait Store: Keys + EntityLocks + EntityStates + AuditLog {
 pub struct ScopeCheck {
     /// The id recorded in the store (the one just given, when none was).
     pub recorded: String,
-    /// Keys stored by the first release, whose scope is a plain SHA-256: a request whose
+    /// Keys stored before scopes were keyed, whose scope is a plain SHA-256: a request whose
     /// keyed scope finds nothing also looks for these, so an upgrade never makes a stored
     /// key look new to its own caller's retry.
     pub legacy_keys: bool,
@@ -391,7 +391,7 @@ pub fn names_entity(col: &str, param: &str) -> String {
     )
 }
 
-/// SQL condition over `idem_keys.scope`: a scope written by the first release (unkeyed).
+/// SQL condition over `idem_keys.scope`: an unkeyed scope (written before scopes were keyed).
 pub const LEGACY_SCOPE: &str = "substr(scope, 1, 3) <> 'k1:'";
 
 /// The store's encryption keys, shared by its backend (`None`: answers are stored in clear).
