@@ -9,8 +9,8 @@
 use crate::key::entity_scope;
 use crate::locks::{LockGuard, LockTable};
 use crate::store::{
-    after_ms, now_ms, AuditRow, EntityLease, KeyRecord, KeyState, ScopedKey, Store, StoreError,
-    StoredResponse, SET_BY_OPERATOR,
+    after_ms, now_ms, AuditRow, Effects, EntityLease, Finish, KeyRecord, KeyState, ScopedKey,
+    Store, StoreError, StoredResponse, SET_BY_OPERATOR,
 };
 use bytes::Bytes;
 use std::sync::Arc;
@@ -138,7 +138,8 @@ impl Settler<'_> {
             return Err(Refused::NotUnknown(vec![record.clone()]));
         }
         let held = self.lock(&record.entities).await?;
-        let done = self.store.release_record(&record.id, record.epoch).await;
+        let (id, epoch) = (&record.id, record.epoch);
+        let done = self.store.settle_record(id, epoch, Finish::Released).await;
         self.unlock(held).await;
         if !done? {
             return Err(Refused::NotUnknown(self.store.find_key(key).await?));
@@ -167,7 +168,7 @@ impl Settler<'_> {
         let keep = retention(&record.route);
         let done = self
             .store
-            .complete_key(&record.id, record.epoch, response.clone(), after_ms(keep))
+            .settle_record(&record.id, record.epoch, completed(response.clone(), keep))
             .await;
         self.unlock(held).await;
         if !done? {
@@ -270,6 +271,16 @@ fn pick<'r>(
         [] if records.is_empty() => Err(Refused::NoKey),
         [one] => Ok(one),
         _ => Err(Refused::Ambiguous(records.to_vec())),
+    }
+}
+
+/// The operator's answer as an outcome, kept for `keep`: no entity effects (the operator
+/// records no version and takes no claim).
+fn completed(response: Arc<StoredResponse>, keep: Duration) -> Finish {
+    Finish::Completed {
+        response,
+        expires_at: after_ms(keep),
+        effects: Effects::default(),
     }
 }
 

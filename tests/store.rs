@@ -392,9 +392,15 @@ async fn suite(s: Arc<dyn Store>) {
             .await
             .unwrap(),
     );
-    let live = Arc::new(answer(7));
+    let live = || Finish::Completed {
+        response: Arc::new(answer(7)),
+        expires_at: far,
+        effects: Default::default(),
+    };
     assert!(
-        !s.release_record(&id("op-1"), e).await.unwrap(),
+        !s.settle_record(&id("op-1"), e, Finish::Released)
+            .await
+            .unwrap(),
         "in flight with a live lease"
     );
     assert!(s
@@ -402,19 +408,20 @@ async fn suite(s: Arc<dyn Store>) {
         .await
         .unwrap());
     assert!(
-        !s.release_record(&id("op-1"), e + 1).await.unwrap(),
+        !s.settle_record(&id("op-1"), e + 1, Finish::Released)
+            .await
+            .unwrap(),
         "another epoch"
     );
-    assert!(s
-        .complete_key(&id("op-1"), e, live.clone(), far)
-        .await
-        .unwrap());
+    assert!(s.settle_record(&id("op-1"), e, live()).await.unwrap());
     assert!(
-        !s.release_record(&id("op-1"), e).await.unwrap(),
+        !s.settle_record(&id("op-1"), e, Finish::Released)
+            .await
+            .unwrap(),
         "completed meanwhile"
     );
     assert!(
-        !s.complete_key(&id("op-1"), e, live, far).await.unwrap(),
+        !s.settle_record(&id("op-1"), e, live()).await.unwrap(),
         "settled already"
     );
     let e = owned(
@@ -426,9 +433,18 @@ async fn suite(s: Arc<dyn Store>) {
         .finish(&id("op-2"), e, Finish::Unknown, When::Durable)
         .await
         .unwrap());
-    assert!(s.release_record(&id("op-2"), e).await.unwrap());
+    assert!(s
+        .settle_record(&id("op-2"), e, Finish::Released)
+        .await
+        .unwrap());
     let rec = s.get(&id("op-2")).await.unwrap().unwrap();
     assert_eq!(rec.state, KeyState::Released);
+    let rec = s.get(&id("op-1")).await.unwrap().unwrap();
+    assert_eq!(
+        rec.answer().unwrap().map(|a| a.body.clone()),
+        Some(answer(7).body),
+        "the operator's answer stands"
+    );
     s.ping().await.unwrap();
     s.close().await;
 }

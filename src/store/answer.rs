@@ -106,23 +106,6 @@ pub struct FinishColumns {
 }
 
 impl Finish {
-    /// The columns of an operator's answer for record `id` at `epoch` (see `crate::settle`):
-    /// completed, no entity effects.
-    pub fn operator_columns(
-        cipher: Option<&Cipher>,
-        id: &ScopedKey,
-        epoch: i64,
-        response: Arc<StoredResponse>,
-        expires_at: i64,
-    ) -> StoreResult<FinishColumns> {
-        let done = Finish::Completed {
-            response,
-            expires_at,
-            effects: Effects::default(),
-        };
-        done.into_columns(cipher, id, epoch)
-    }
-
     /// The columns of record `id`, whose reservation `epoch` stores this outcome: the answer
     /// sealed with `cipher` when there is one. Every write of a stored answer goes through
     /// here, so none reaches the database in clear while encryption is on.

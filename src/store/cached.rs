@@ -180,21 +180,14 @@ impl Keys for CachedStore {
         self.entries.forget(Some(key));
         Ok(n)
     }
-    async fn complete_key(
+    async fn settle_record(
         &self,
         id: &ScopedKey,
         epoch: i64,
-        response: Arc<StoredResponse>,
-        expires_at: i64,
+        outcome: Finish,
     ) -> StoreResult<bool> {
-        // The record is not in the cache (unknown records never are); a retry reads it.
-        self.inner
-            .complete_key(id, epoch, response, expires_at)
-            .await
-    }
-    async fn release_record(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool> {
-        // Only an unknown record: never one the cache holds.
-        self.inner.release_record(id, epoch).await
+        // Only an unknown record: never one the cache holds (a retry reads the new one).
+        self.inner.settle_record(id, epoch, outcome).await
     }
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
         self.settling.settle().await;

@@ -255,22 +255,13 @@ pub trait Keys: Send + Sync + 'static {
     /// Operator release: every record with this key (any upstream or scope) that is not live
     /// in flight becomes forwardable again. Returns how many.
     async fn release_key(&self, key: &str) -> StoreResult<u64>;
-    /// Operator settlement of a write that did happen: record `id`, seen at `epoch` with its
-    /// outcome unknown (or in flight with its lease lapsed), becomes completed with
-    /// `response`, kept until `expires_at`. `false` when it is no longer so (a retry took it
-    /// over, or it was settled meanwhile). No entity effects: the operator's answer records no
-    /// version and takes no claim.
-    async fn complete_key(
-        &self,
-        id: &ScopedKey,
-        epoch: i64,
-        response: std::sync::Arc<StoredResponse>,
-        expires_at: i64,
-    ) -> StoreResult<bool>;
-    /// Operator release of one record whose write did not happen: `id`, seen at `epoch` with
-    /// its outcome unknown (or in flight with its lease lapsed), becomes released. `false`
-    /// when it is no longer so — an answer stored meanwhile is never dropped by it.
-    async fn release_record(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool>;
+    /// An operator settles one record: `id`, seen at `epoch` with its outcome unknown (or in
+    /// flight with its lease lapsed), takes `outcome` — completed with the operator's answer
+    /// (its effects are not applied: the operator records no version and takes no claim), or
+    /// released. `false` when it is no longer so (a retry took it over, or it was settled
+    /// meanwhile): an answer stored since is never dropped or overwritten by it.
+    async fn settle_record(&self, id: &ScopedKey, epoch: i64, outcome: Finish)
+        -> StoreResult<bool>;
     /// Every record with this key, any upstream or scope.
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>>;
     async fn list_keys(&self, filter: &KeyFilter) -> StoreResult<Vec<KeyRecord>>;

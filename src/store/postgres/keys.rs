@@ -151,45 +151,28 @@ impl Keys for PgStore {
         .await?;
         Ok(rows.len() as u64)
     }
-    async fn complete_key(
+    async fn settle_record(
         &self,
         id: &ScopedKey,
         epoch: i64,
-        response: std::sync::Arc<StoredResponse>,
-        expires_at: i64,
+        outcome: Finish,
     ) -> StoreResult<bool> {
-        let c = Finish::operator_columns(self.cipher.as_deref(), id, epoch, response, expires_at)?;
+        let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
         // Whoever watches the key (a retry waiting on it, on any replica) reads it again.
         let rows = sqlx::query(&format!(
-            "WITH u AS (UPDATE idem_keys SET state = 'completed', status = $1, headers = $2, \
-               body = $3, expires_at = $4, enc_key = $5, owner = NULL, updated_at = {NOW} \
-             WHERE upstream = $6 AND scope = $7 AND key = $8 AND epoch = $9 AND {} \
+            "WITH u AS (UPDATE idem_keys SET state = $1, status = $2, headers = $3, body = $4, \
+               expires_at = $5, enc_key = $6, owner = NULL, updated_at = {NOW} \
+             WHERE upstream = $7 AND scope = $8 AND key = $9 AND epoch = $10 AND {} \
              RETURNING upstream, scope, key) \
              SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u",
             rules::settleable(NOW)
         ))
+        .bind(c.state.as_str())
         .bind(c.status.map(i32::from))
         .bind(c.headers.as_deref())
         .bind(c.body.as_deref())
-        .bind(self.clock.to_db(expires_at))
+        .bind(c.expires_at.map(|t| self.clock.to_db(t)))
         .bind(c.enc_key.as_deref())
-        .bind(&id.upstream)
-        .bind(&id.scope)
-        .bind(&id.key)
-        .bind(epoch)
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(rows.len() == 1)
-    }
-    async fn release_record(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool> {
-        // Whoever watches the key (a retry waiting on it, on any replica) reads it again.
-        let rows = sqlx::query(&format!(
-            "WITH u AS (UPDATE idem_keys SET state = 'released', owner = NULL, updated_at = {NOW} \
-             WHERE upstream = $1 AND scope = $2 AND key = $3 AND epoch = $4 AND {} \
-             RETURNING upstream, scope, key) \
-             SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u",
-            rules::settleable(NOW)
-        ))
         .bind(&id.upstream)
         .bind(&id.scope)
         .bind(&id.key)

@@ -128,54 +128,45 @@ pub fn finish(ctx: &Tx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreR
 
 /// The outcome's own row, fenced by `epoch`.
 fn finish_row(ctx: &Tx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreResult<bool> {
-    let changed = ctx
-        .conn
-        .prepare_cached(
-            "UPDATE idem_keys SET state = ?1, status = ?2, headers = ?3, body = ?4, expires_at = ?5, \
-             enc_key = ?6, owner = NULL, updated_at = ?7 \
-             WHERE upstream = ?8 AND scope = ?9 AND key = ?10 AND state = 'in_flight' AND epoch = ?11",
-        )?
-        .execute(params![
-            c.state.as_str(),
-            c.status.map(i64::from),
-            c.headers.as_deref(),
-            c.body.as_deref(),
-            c.expires_at,
-            c.enc_key.as_deref(),
-            ctx.now,
-            id.upstream,
-            id.scope,
-            id.key,
-            epoch,
-        ])?;
+    outcome_row(ctx, id, epoch, c, &FINISH_SQL)
+}
+
+/// Sets a record's outcome columns where `sql`'s condition holds at `epoch`.
+fn outcome_row(
+    ctx: &Tx,
+    id: &ScopedKey,
+    epoch: i64,
+    c: &FinishColumns,
+    sql: &str,
+) -> StoreResult<bool> {
+    let changed = ctx.conn.prepare_cached(sql)?.execute(params![
+        c.state.as_str(),
+        c.status.map(i64::from),
+        c.headers.as_deref(),
+        c.body.as_deref(),
+        c.expires_at,
+        c.enc_key.as_deref(),
+        ctx.now,
+        id.upstream,
+        id.scope,
+        id.key,
+        epoch,
+    ])?;
     Ok(changed == 1)
 }
 
-/// [`Keys::complete_key`]: the operator's answer, if the record still waits for one at `epoch`.
-fn complete(ctx: &Tx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreResult<bool> {
-    let sql = format!(
-        "UPDATE idem_keys SET state = 'completed', status = ?1, headers = ?2, body = ?3, \
-         expires_at = ?4, enc_key = ?5, owner = NULL, updated_at = ?6 \
-         WHERE upstream = ?7 AND scope = ?8 AND key = ?9 AND epoch = ?10 AND {}",
-        rules::settleable("?6")
-    );
-    let changed = ctx.conn.execute(
-        &sql,
-        params![
-            c.status.map(i64::from),
-            c.headers.as_deref(),
-            c.body.as_deref(),
-            c.expires_at,
-            c.enc_key.as_deref(),
-            ctx.now,
-            id.upstream,
-            id.scope,
-            id.key,
-            epoch,
-        ],
-    )?;
-    Ok(changed == 1)
-}
+/// The outcome's columns, then where they go: the record at its epoch, and the condition.
+const OUTCOME_SET: &str = "UPDATE idem_keys SET state = ?1, status = ?2, headers = ?3, body = ?4, \
+     expires_at = ?5, enc_key = ?6, owner = NULL, updated_at = ?7 \
+     WHERE upstream = ?8 AND scope = ?9 AND key = ?10 AND epoch = ?11 AND ";
+
+/// A forward's outcome, stored by the reservation that owns the record.
+static FINISH_SQL: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| format!("{OUTCOME_SET}state = 'in_flight'"));
+
+/// An operator's settlement: only while the outcome is unknown (see [`rules::settleable`]).
+static SETTLE_SQL: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| format!("{OUTCOME_SET}{}", rules::settleable("?7")));
 
 pub fn renew(ctx: &Tx, id: &ScopedKey, epoch: i64, until: i64) -> StoreResult<bool> {
     let changed = ctx.conn.prepare_cached(
@@ -301,33 +292,16 @@ impl Keys for SqliteStore {
     fn observe_releases(&self, f: ReleaseObserver) {
         *self.observer.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
     }
-    async fn complete_key(
+    async fn settle_record(
         &self,
         id: &ScopedKey,
         epoch: i64,
-        response: std::sync::Arc<StoredResponse>,
-        expires_at: i64,
+        outcome: Finish,
     ) -> StoreResult<bool> {
-        let c = Finish::operator_columns(self.cipher.as_deref(), id, epoch, response, expires_at)?;
+        let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
         let id = id.clone();
         self.writer
-            .write(move |ctx| complete(ctx, &id, epoch, &c))
-            .await
-    }
-    async fn release_record(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool> {
-        let id = id.clone();
-        self.writer
-            .write(move |ctx| {
-                let sql = format!(
-                    "UPDATE idem_keys SET state = 'released', owner = NULL, updated_at = ?1 \
-                     WHERE upstream = ?2 AND scope = ?3 AND key = ?4 AND epoch = ?5 AND {}",
-                    rules::settleable("?1")
-                );
-                let n = ctx
-                    .conn
-                    .execute(&sql, params![ctx.now, id.upstream, id.scope, id.key, epoch])?;
-                Ok(n == 1)
-            })
+            .write(move |ctx| outcome_row(ctx, &id, epoch, &c, &SETTLE_SQL))
             .await
     }
     async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
