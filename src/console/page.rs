@@ -46,13 +46,7 @@ pub fn layout(frame: &Frame, nav: Nav, title: &str, body: Markup) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                title { (title) " · idemproxy" }
-                link rel="stylesheet" href="/assets/console.css";
-                link rel="icon" type="image/svg+xml" href="/assets/icon.svg";
-            }
+            (head(title))
             body {
                 header.top {
                     a.brand href="/" { "idemproxy" }
@@ -84,18 +78,26 @@ pub fn layout(frame: &Frame, nav: Nav, title: &str, body: Markup) -> Markup {
     }
 }
 
+/// Every page's head: its title, and the console's own stylesheet and icon (nothing from
+/// another origin).
+fn head(title: &str) -> Markup {
+    html! {
+        head {
+            meta charset="utf-8";
+            meta name="viewport" content="width=device-width, initial-scale=1";
+            title { (title) " · idemproxy" }
+            link rel="stylesheet" href="/assets/console.css";
+            link rel="icon" type="image/svg+xml" href="/assets/icon.svg";
+        }
+    }
+}
+
 /// A bare page outside the frame (sign-in, refusals before access is known).
 pub fn bare(title: &str, body: Markup) -> Markup {
     html! {
         (DOCTYPE)
         html lang="en" {
-            head {
-                meta charset="utf-8";
-                meta name="viewport" content="width=device-width, initial-scale=1";
-                title { (title) " · idemproxy" }
-                link rel="stylesheet" href="/assets/console.css";
-                link rel="icon" type="image/svg+xml" href="/assets/icon.svg";
-            }
+            (head(title))
             body.bare { main { (body) } }
         }
     }
