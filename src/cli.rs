@@ -79,24 +79,8 @@ enum KeysCommand {
     /// set by an operator, and are never forwarded.
     Complete {
         key: String,
-        /// The real answer's HTTP status.
-        #[arg(long)]
-        status: u16,
-        /// A file holding the real answer's body (`-`: standard input).
-        #[arg(long)]
-        body_file: Option<std::path::PathBuf>,
-        /// A header of the answer, `Name: value` (repeatable).
-        #[arg(long = "header", short = 'H')]
-        headers: Vec<String>,
-        /// What you checked and found (kept in the audit trail).
-        #[arg(long)]
-        note: String,
-        /// Which record, when several carry the key: its upstream.
-        #[arg(long)]
-        upstream: Option<String>,
-        /// Which record, when several carry the key: its credential scope (or its short id).
-        #[arg(long)]
-        scope: Option<String>,
+        #[command(flatten)]
+        asked: crate::cli_settle::Asked,
     },
     /// List recent keys.
     List {
@@ -328,23 +312,7 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
         KeysCommand::Release { key, note } => {
             crate::cli_settle::release(&config, store.as_ref(), &key, note.as_deref()).await
         }
-        KeysCommand::Complete {
-            key,
-            status,
-            body_file,
-            headers,
-            note,
-            upstream,
-            scope,
-        } => {
-            let asked = crate::cli_settle::Asked {
-                status,
-                body_file,
-                headers,
-                note,
-                upstream,
-                scope,
-            };
+        KeysCommand::Complete { key, asked } => {
             crate::cli_settle::complete(&config, store.as_ref(), &key, asked).await
         }
         KeysCommand::List {

@@ -11,12 +11,25 @@ use std::io::Read;
 use std::path::PathBuf;
 
 /// What `keys complete` was asked to store.
+#[derive(clap::Args)]
 pub struct Asked {
+    /// The real answer's HTTP status.
+    #[arg(long)]
     pub status: u16,
+    /// A file holding the real answer's body (`-`: standard input).
+    #[arg(long)]
     pub body_file: Option<PathBuf>,
+    /// A header of the answer, `Name: value` (repeatable).
+    #[arg(long = "header", short = 'H')]
     pub headers: Vec<String>,
+    /// What you checked and found (kept in the audit trail).
+    #[arg(long)]
     pub note: String,
+    /// Which record, when several carry the key: its upstream.
+    #[arg(long)]
     pub upstream: Option<String>,
+    /// Which record, when several carry the key: its credential scope (or its short id).
+    #[arg(long)]
     pub scope: Option<String>,
 }
 
