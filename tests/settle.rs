@@ -272,7 +272,10 @@ async fn without_a_token_no_other_site_settles_a_key() {
     for (name, value) in [
         ("origin", "http://evil.example"),
         ("origin", "null"),
+        ("origin", "http://localhost:3000"),
+        ("origin", "http://127.0.0.1:1"),
         ("sec-fetch-site", "cross-site"),
+        ("sec-fetch-site", "same-site"),
         ("host", "evil.example"),
     ] {
         let refused = request("POST", &url, &[json, (name, value)], "{}").await;
@@ -285,7 +288,12 @@ async fn without_a_token_no_other_site_settles_a_key() {
         Some("outcome_unknown")
     );
     assert_eq!(upstream.count(), 1);
-    // This machine's own tools (and a page of the console's origin) still may.
-    let own = [json, ("origin", "http://127.0.0.1:9090")];
+    // This machine's own tools, and a page of the admin listener's own origin (the console),
+    // still may: the release goes through and the retry is forwarded, once.
+    let origin = proxy.admin_url("");
+    let origin = origin.trim_end_matches('/');
+    let own = [json, ("origin", origin), ("sec-fetch-site", "same-origin")];
     request("POST", &url, &own, "{}").await.assert_status(200);
+    charge(&proxy, "site-1", "Bearer a").await;
+    assert_eq!(upstream.count(), 2, "forwarded once after the release");
 }

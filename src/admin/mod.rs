@@ -131,32 +131,32 @@ fn authorized(state: &AppState, req: &Request<Incoming>) -> bool {
 }
 
 /// Without a token, whoever reaches a loopback admin listener may use `/admin/*` — but a page
-/// in a browser on this machine must not: not through a name of its own rebound to 127.0.0.1
-/// (the Host is then not a loopback name), and not by a cross-site POST (the browser says where
-/// it came from in `Origin` and `Sec-Fetch-Site`). curl and scripts send neither.
+/// in a browser must not, not even one served from this machine: not through a name of its
+/// own rebound to 127.0.0.1 (the `Host` is then not a loopback name), and not by a POST from
+/// any other origin, another local port included (a browser names it in `Origin` and says
+/// `Sec-Fetch-Site`). Only the admin listener's own origin (the console) passes. curl and
+/// scripts send neither header.
 fn from_this_machine(req: &Request<Incoming>) -> bool {
     let headers = req.headers();
-    let cross_site = headers
-        .get("sec-fetch-site")
-        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"cross-site"));
-    // Any origin but a loopback one is foreign, `null` (a sandboxed frame) included.
-    let loopback = crate::console::loopback_host;
-    let foreign_origin = headers.get(header::ORIGIN).is_some_and(|v| {
-        v.to_str()
-            .ok()
-            .and_then(|o| o.parse::<http::Uri>().ok())
-            .filter(|o| o.host().is_some())
-            .is_none_or(|o| !loopback(&o, &http::HeaderMap::new()))
+    let site_ok = headers.get("sec-fetch-site").is_none_or(|v| {
+        let v = v.as_bytes();
+        v.eq_ignore_ascii_case(b"same-origin") || v.eq_ignore_ascii_case(b"none")
     });
-    loopback(req.uri(), headers) && !cross_site && !foreign_origin
+    // The origin, if any, must be this listener's own: `scheme://` + the `Host` asked for
+    // (`null`, from a sandboxed frame, never is).
+    let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+    let origin_ok = headers.get(header::ORIGIN).is_none_or(|v| {
+        let origin = v.to_str().unwrap_or_default();
+        let authority = origin
+            .strip_prefix("http://")
+            .or_else(|| origin.strip_prefix("https://"));
+        authority.is_some_and(|a| host.is_some_and(|h| a.eq_ignore_ascii_case(h)))
+    });
+    crate::console::loopback_host(req.uri(), headers) && site_ok && origin_ok
 }
 
 async fn admin_api(state: &AppState, method: &Method, path: &str) -> Response<ProxyBody> {
-    let segs: Vec<String> = path
-        .trim_start_matches("/admin/")
-        .split('/')
-        .map(|s| percent_decode_str(s).decode_utf8_lossy().into_owned())
-        .collect();
+    let segs = segments(path);
     let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
     let result = match (method, segs.as_slice()) {
         (&Method::GET, ["keys", key]) => {
@@ -200,11 +200,7 @@ async fn admin_api(state: &AppState, method: &Method, path: &str) -> Response<Pr
 /// [`crate::settle`]); the body is JSON (`{"note": …}`, and for complete the answer).
 async fn settling(state: &AppState, req: Request<Incoming>) -> Response<ProxyBody> {
     let path = req.uri().path().to_owned();
-    let segs: Vec<String> = path
-        .trim_start_matches("/admin/")
-        .split('/')
-        .map(|s| percent_decode_str(s).decode_utf8_lossy().into_owned())
-        .collect();
+    let segs = segments(&path);
     let (key, act) = match segs.as_slice() {
         [keys, key, act] if keys == "keys" => (key.clone(), act.clone()),
         _ => {
@@ -214,7 +210,7 @@ async fn settling(state: &AppState, req: Request<Incoming>) -> Response<ProxyBod
             ))
         }
     };
-    let body = match read_json(req, state.config.server.max_body).await {
+    let body = match read_json(state, req).await {
         Ok(b) => b,
         Err(e) => return error(e),
     };
@@ -225,13 +221,29 @@ async fn settling(state: &AppState, req: Request<Incoming>) -> Response<ProxyBod
     }
 }
 
-/// A JSON request body (an empty one is `{}`), at most `max` bytes.
-async fn read_json(req: Request<Incoming>, max: usize) -> Result<Value, ProxyError> {
-    use http_body_util::BodyExt;
-    let limited = http_body_util::Limited::new(req.into_body(), max);
-    let bytes = limited
+/// An `/admin/…` path's segments, percent-decoded (keys and entities may hold `/` or `:`).
+fn segments(path: &str) -> Vec<String> {
+    path.trim_start_matches("/admin/")
+        .split('/')
+        .map(|s| percent_decode_str(s).decode_utf8_lossy().into_owned())
         .collect()
+}
+
+/// A JSON request body (an empty one is `{}`), at most `max_body` bytes, arriving within
+/// `body_timeout` (a trickled body must not hold the admin listener's connections).
+async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value, ProxyError> {
+    use http_body_util::BodyExt;
+    let server = &state.config.server;
+    let limited = http_body_util::Limited::new(req.into_body(), server.max_body);
+    let collected = tokio::time::timeout(server.body_timeout, limited.collect())
         .await
+        .map_err(|_| {
+            ProxyError::new(
+                ErrorKind::BodyTimeout,
+                "the request body did not arrive within body_timeout",
+            )
+        })?;
+    let bytes = collected
         .map_err(|e| ProxyError::new(ErrorKind::BodyTooLarge, format!("request body: {e}")))?
         .to_bytes();
     if bytes.iter().all(u8::is_ascii_whitespace) {
