@@ -353,10 +353,12 @@ pub(super) fn completed(ctx: &Ctx, stored: Arc<StoredResponse>) -> Finish {
 /// What a successful answer does to the entities: record the version, take or release the
 /// claim. Nothing for other statuses.
 fn effects(ctx: &Ctx, status: u16) -> Effects {
-    if !(200..300).contains(&status) {
+    let route = &ctx.route;
+    let fenced = ctx.prepared.version.is_some() || route.claim.is_some() || route.release_claim;
+    // Nothing to record (no version, no claim): no copies of the entities, leases and owner.
+    if !(200..300).contains(&status) || !fenced || ctx.prepared.entities.is_empty() {
         return Effects::default();
     }
-    let route = &ctx.route;
     Effects {
         entities: ctx.prepared.entities.clone(),
         version: ctx.prepared.version,

@@ -41,7 +41,11 @@ pub(super) async fn step(mut ctx: Ctx, called: Called, reply: Reply) {
 /// Step 7 in observe mode (which answers after it): the outcome, stored.
 pub(super) async fn stored(ctx: &mut Ctx, called: Called) -> Outcome {
     let (outcome, finish) = decide(ctx, called).await;
-    record(ctx, finish, false).await;
+    // Once: observe mode never holds an answer back for a failing store (it fails open).
+    let stored = finish_within(ctx, finish, false, Duration::ZERO).await;
+    heard(&ctx.state.stats, &ctx.prepared.id, stored);
+    ctx.release_entities().await;
+    ctx.slot = None;
     outcome
 }
 
@@ -119,7 +123,8 @@ fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> bool {
 /// Stores what became of the key (fenced by our epoch), then lets go of the entity locks and
 /// the key's slot. `answered`: its caller was answered already, from the replay cache.
 pub(super) async fn record(ctx: &mut Ctx, finish: Finish, answered: bool) {
-    let stored = finish_durably(ctx, finish, answered).await;
+    let budget = STORE_RETRY_FOR.min(ctx.state.config.store.lease);
+    let stored = finish_within(ctx, finish, answered, budget).await;
     heard(&ctx.state.stats, &ctx.prepared.id, stored);
     ctx.release_entities().await;
     ctx.slot = None;
@@ -131,13 +136,18 @@ pub(super) async fn record(ctx: &mut Ctx, finish: Finish, answered: bool) {
 /// replays it instead of reading `409 outcome_unknown`. Never the write: only its outcome.
 const STORE_RETRY_FOR: Duration = Duration::from_secs(5);
 
-/// [`crate::store::Keys::finish`], tried again while the store fails, for up to
-/// [`STORE_RETRY_FOR`] (or the lease, if shorter: past it the key may be another's). A try that failed may have committed all the same (its
-/// acknowledgement lost with the connection): when the next finds the record no longer ours,
-/// the record says whether it holds this outcome at our epoch.
-async fn finish_durably(ctx: &Ctx, finish: Finish, answered: bool) -> StoreResult<bool> {
+/// [`crate::store::Keys::finish`], tried again while the store fails, for up to `budget`
+/// ([`record`]: [`STORE_RETRY_FOR`] or the lease, if shorter, since past it the key may be
+/// another's; observe mode: no second try). A try that failed may have committed all the same
+/// (its acknowledgement lost with the connection): when the next finds the record no longer
+/// ours, the record says whether it holds this outcome at our epoch.
+async fn finish_within(
+    ctx: &Ctx,
+    finish: Finish,
+    answered: bool,
+    budget: Duration,
+) -> StoreResult<bool> {
     let (store, id, epoch) = (&ctx.state.store, &ctx.prepared.id, ctx.epoch);
-    let budget = STORE_RETRY_FOR.min(ctx.state.config.store.lease);
     let started = tokio::time::Instant::now();
     let mut pause = Duration::from_millis(25);
     let mut failed = false;
