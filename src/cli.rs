@@ -74,6 +74,8 @@ enum KeysCommand {
         /// What you checked and found (kept in the audit trail).
         #[arg(long)]
         note: Option<String>,
+        #[command(flatten)]
+        which: crate::cli_settle::Which,
     },
     /// The write happened: complete the key with the real answer; retries get it, marked as
     /// set by an operator, and are never forwarded.
@@ -309,11 +311,11 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
             }
             None => Err(anyhow::anyhow!("no key {key:?}")),
         },
-        KeysCommand::Release { key, note } => {
-            crate::cli_settle::release(&config, store.as_ref(), &key, note.as_deref()).await
+        KeysCommand::Release { key, note, which } => {
+            crate::cli_settle::release(&config, store.clone(), &key, note.as_deref(), which).await
         }
         KeysCommand::Complete { key, asked } => {
-            crate::cli_settle::complete(&config, store.as_ref(), &key, asked).await
+            crate::cli_settle::complete(&config, store.clone(), &key, asked).await
         }
         KeysCommand::List {
             entity,

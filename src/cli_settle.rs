@@ -4,11 +4,23 @@
 
 use crate::config::Config;
 use crate::logging::escape_controls;
-use crate::settle::{self, Completion, Refused, Settled, Settler};
+use crate::settle::{self, Completion, Pick, Refused, Settled, Settler};
 use crate::store::Store;
 use bytes::Bytes;
 use std::io::Read;
 use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Which record of the key, when several carry it (other upstreams or credential scopes).
+#[derive(clap::Args)]
+pub struct Which {
+    /// Which record, when several carry the key: its upstream.
+    #[arg(long)]
+    pub upstream: Option<String>,
+    /// Which record, when several carry the key: its credential scope (or its short id).
+    #[arg(long)]
+    pub scope: Option<String>,
+}
 
 /// What `keys complete` was asked to store.
 #[derive(clap::Args)]
@@ -25,47 +37,43 @@ pub struct Asked {
     /// What you checked and found (kept in the audit trail).
     #[arg(long)]
     pub note: String,
-    /// Which record, when several carry the key: its upstream.
-    #[arg(long)]
-    pub upstream: Option<String>,
-    /// Which record, when several carry the key: its credential scope (or its short id).
-    #[arg(long)]
-    pub scope: Option<String>,
+    #[command(flatten)]
+    pub which: Which,
 }
 
-fn settler<'a>(config: &'a Config, store: &'a dyn Store, owner: &'a str) -> Settler<'a> {
-    Settler {
-        store,
-        locks: None,
-        owner,
-        lease: config.store.lease,
+impl Which {
+    fn pick(self) -> Pick {
+        Pick {
+            upstream: self.upstream,
+            scope: self.scope,
+        }
     }
 }
 
-fn owner() -> String {
-    format!("cli-{}", std::process::id())
+fn settler(config: &Config, store: Arc<dyn Store>) -> Settler<'_> {
+    Settler {
+        store,
+        locks: None,
+        owner: format!("cli-{}", std::process::id()),
+        config,
+    }
 }
 
-/// `keys release KEY [--note TEXT]`.
+/// `keys release KEY [--note TEXT] [--upstream U] [--scope S]`.
 pub async fn release(
     config: &Config,
-    store: &dyn Store,
+    store: Arc<dyn Store>,
     key: &str,
     note: Option<&str>,
+    which: Which,
 ) -> anyhow::Result<()> {
     let note = settle::note(note, false).map_err(explain)?;
-    let owner = owner();
-    let settled = settler(config, store, &owner)
-        .release(key, note, settle::retention_of(config))
-        .await;
-    let n = match settled {
-        Ok((n, settled)) => {
-            record(store, settled).await?;
-            n
-        }
-        Err(Refused::NoKey) => 0,
-        Err(e) => return Err(explain(e)),
-    };
+    let settled = settler(config, store.clone())
+        .release(key, &which.pick(), note)
+        .await
+        .map_err(explain)?;
+    let n = settled.audit.len();
+    record(store.as_ref(), settled).await?;
     // The store tells running proxies: on SQLite a release note the proxy acknowledges
     // before this returns; on PostgreSQL a NOTIFY every replica hears within moments.
     println!(
@@ -74,7 +82,7 @@ pub async fn release(
     );
     match n {
         0 => Err(anyhow::anyhow!(
-            "nothing to release (no such key, already released, or in flight right now)"
+            "nothing to release: the key is released already"
         )),
         _ => Ok(()),
     }
@@ -83,7 +91,7 @@ pub async fn release(
 /// `keys complete KEY --status N [--body-file F] [-H 'Name: value'] --note TEXT`.
 pub async fn complete(
     config: &Config,
-    store: &dyn Store,
+    store: Arc<dyn Store>,
     key: &str,
     asked: Asked,
 ) -> anyhow::Result<()> {
@@ -111,15 +119,12 @@ pub async fn complete(
         status: asked.status,
         headers,
         body,
-        upstream: asked.upstream,
-        scope: asked.scope,
     };
-    let owner = owner();
-    let settled = settler(config, store, &owner)
-        .complete(key, completion, note, settle::retention_of(config))
+    let settled = settler(config, store.clone())
+        .complete(key, &asked.which.pick(), &completion, note)
         .await
         .map_err(explain)?;
-    record(store, settled).await?;
+    record(store.as_ref(), settled).await?;
     println!(
         "completed key {:?} with status {}: retries get this answer",
         escape_controls(key, false),
@@ -138,34 +143,22 @@ async fn record(store: &dyn Store, settled: Settled) -> anyhow::Result<()> {
 
 /// A refusal in words, with the records when they explain it.
 fn explain(r: Refused) -> anyhow::Error {
-    let list = |rs: &[crate::store::KeyRecord]| {
-        rs.iter()
-            .map(|r| {
-                format!(
-                    "  upstream={} scope={} state={} route={}",
-                    r.id.upstream,
-                    crate::key::entity_scope(&r.id.scope),
-                    r.effective_state(crate::store::now_ms()).as_str(),
-                    r.route
-                )
-            })
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
-    match r {
-        Refused::NoKey => anyhow::anyhow!("no record carries this key"),
-        Refused::NotUnknown(rs) => anyhow::anyhow!(
-            "only a key whose outcome is unknown (or whose call's lease lapsed) can be settled; it stands as:\n{}",
-            list(&rs)
-        ),
-        Refused::Ambiguous(rs) => anyhow::anyhow!(
-            "several records carry this key; pick one with --upstream and --scope:\n{}",
-            list(&rs)
-        ),
-        Refused::Invalid(m) => anyhow::anyhow!(m),
-        Refused::Busy => {
-            anyhow::anyhow!("the key's entities stayed locked by requests in flight; try again")
-        }
-        Refused::Store(e) => e.into(),
+    let now = crate::store::now_ms();
+    let list: Vec<String> = r
+        .records()
+        .iter()
+        .map(|r| {
+            format!(
+                "  --upstream {} --scope {}  (state {}, route {})",
+                r.id.upstream,
+                crate::key::entity_scope(&r.id.scope),
+                r.effective_state(now).as_str(),
+                r.route
+            )
+        })
+        .collect();
+    match (&r, list.is_empty()) {
+        (Refused::Store(_), _) | (_, true) => anyhow::anyhow!("{r}"),
+        (_, false) => anyhow::anyhow!("{r}:\n{}", list.join("\n")),
     }
 }

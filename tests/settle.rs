@@ -27,7 +27,8 @@ async fn upstream() -> RecordingUpstream {
 
 fn config(upstream: &RecordingUpstream, store: &str) -> String {
     let route = format!("{CHARGES_ROUTE}entity = \"customer:{{body.customer}}\"\n");
-    format!("{}\n{store}", api_config(upstream, "", "", &route))
+    let limits = "release_statuses = [429, 503]\nmax_answer = \"1KiB\"\n";
+    format!("{}\n{store}", api_config(upstream, "", limits, &route))
 }
 
 async fn charge(proxy: &TestProxy, key: &str, auth: &str) -> Resp {
@@ -77,9 +78,17 @@ async fn settles_by_hand(store: &str) {
         .assert_status(504);
     let retry = charge(&proxy, "done-1", "Bearer a").await;
     assert_eq!(retry.error_type(), Some("outcome_unknown"));
+    refuses_what_no_upstream_could_answer(&proxy, "done-1").await;
     let pasted = json!({
         "status": 201,
-        "headers": {"Content-Type": "application/json"},
+        "headers": [
+            ["Content-Type", "application/json"],
+            ["Set-Cookie", "session=first-callers"],
+            ["Transfer-Encoding", "chunked"],
+            ["Connection", "x-private"],
+            ["X-Private", "1"],
+            ["Idempotent-Replayed", "false"],
+        ],
         "body": "{\"id\":\"ch_real\",\"amount\":100}",
         "note": "found ch_real in the dashboard",
     });
@@ -97,6 +106,10 @@ async fn settles_by_hand(store: &str) {
         assert_eq!(retry.json()["id"], "ch_real");
         assert_eq!(retry.replayed(), Some(true));
         assert_eq!(retry.header("idemproxy-set-by"), Some("operator"));
+        assert_eq!(retry.header("content-type"), Some("application/json"));
+        for dropped in ["set-cookie", "x-private", "transfer-encoding"] {
+            assert_eq!(retry.header(dropped), None, "{dropped} replayed");
+        }
     }
     assert_eq!(upstream.count(), 1, "a key marked done is never forwarded");
     let row = audit_row(&proxy, "done-1", "completed_by_operator").await;
@@ -155,7 +168,10 @@ async fn settles_by_hand(store: &str) {
         &body,
     ];
     let (ok, out) = keys(&proxy, &args).await;
-    assert!(!ok, "a note is required: {out}");
+    assert!(
+        !ok && out.contains("--note <NOTE>"),
+        "a note is required: {out}"
+    );
     let with_note = [
         &args[..],
         &["-H", "Content-Type: application/json", "--note", "seen"],
@@ -202,6 +218,31 @@ async fn settles_by_hand(store: &str) {
     assert_eq!(completed.json()["id"], "ch_a");
     assert_eq!(upstream.count(), 6, "nothing forwarded by settling");
 
+    // A release that names no record is refused too: it would drop the other caller's.
+    let wide = admin_post(&proxy, "/admin/keys/amb-1/release", &json!({"note": "x"})).await;
+    assert_eq!(wide.error_type(), Some("not_settleable"), "{}", wide.text());
+    let (ok, out) = keys(&proxy, &["keys", "release", "amb-1"]).await;
+    assert!(!ok && out.contains("--scope"), "{out}");
+    let scopes = json!({"upstream": "api", "scope": 7, "note": "x"});
+    let typed = admin_post(&proxy, "/admin/keys/amb-1/release", &scopes).await;
+    assert_eq!(typed.error_type(), Some("body_invalid"), "{}", typed.text());
+    assert_eq!(
+        charge(
+            &proxy,
+            "amb-1",
+            if a.status == 200 {
+                "Bearer a"
+            } else {
+                "Bearer b"
+            }
+        )
+        .await
+        .json()["id"],
+        "ch_a",
+        "the completed record stands"
+    );
+    assert_eq!(upstream.count(), 6);
+
     // 5. Released one record at a time: the other caller's record stays unknown, and a
     //    record whose answer is stored is never released by it.
     let (still, unknown_auth) = match a.status {
@@ -241,6 +282,38 @@ async fn settles_by_hand(store: &str) {
     .await;
     assert_eq!(kept.json()["id"], "ch_a", "the operator's answer stands");
     assert_eq!(upstream.count(), 7);
+}
+
+/// Answers no upstream could have sent (or that mean "not processed"), and notes left out,
+/// are refused with `400 body_invalid`: the key stays unknown and nothing is forwarded.
+async fn refuses_what_no_upstream_could_answer(proxy: &TestProxy, key: &str) {
+    let path = format!("/admin/keys/{key}/complete");
+    let note = "checked";
+    for pasted in [
+        json!({"status": 101, "note": note}),
+        json!({"status": 600, "note": note}),
+        json!({"status": 70000, "note": note}),
+        json!({"status": "201", "note": note}),
+        json!({"status": 503, "note": note}),
+        json!({"status": 201}),
+        json!({"status": 201, "note": " \u{7} "}),
+        json!({"status": 201, "note": note, "headers": {"X-A": "1\r\nSet-Cookie: s=1"}}),
+        json!({"status": 201, "note": note, "headers": {"Bad Name": "1"}}),
+        json!({"status": 201, "note": note, "body": "x".repeat(2048)}),
+        json!({"status": 201, "note": note, "scope": ["a"]}),
+    ] {
+        let refused = admin_post(proxy, &path, &pasted).await;
+        assert_eq!(
+            refused.error_type(),
+            Some("body_invalid"),
+            "{pasted}: {}",
+            refused.text()
+        );
+    }
+    let shown = get(&proxy.admin_url(&format!("/admin/keys/{key}")))
+        .await
+        .json();
+    assert_eq!(shown["records"][0]["state"], "unknown", "{shown}");
 }
 
 #[tokio::test]

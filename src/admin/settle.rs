@@ -4,54 +4,36 @@
 
 use super::views::record_json;
 use crate::error::{ErrorKind, ProxyError};
-use crate::settle::{self, Completion, Refused, Settler};
+use crate::settle::{self, Completion, Pick, Refused, Settler};
 use crate::state::AppState;
 use bytes::Bytes;
 use serde_json::{json, Value};
 
-/// Settles `key` as `act` (`release` or `complete`) says, with the body's note and answer.
+/// Settles `key` as `act` (`release` or `complete`) says, with the body's note, record pick
+/// and answer.
 pub async fn act(
     state: &AppState,
     key: &str,
     act: &str,
     body: &Value,
 ) -> Result<Value, ProxyError> {
-    let settler = Settler {
-        store: state.store.as_ref(),
-        locks: Some(&state.entity_locks),
-        owner: &state.owner,
-        lease: state.config.store.lease,
+    let settler = Settler::of(state);
+    let note = settle::note(text(body, "note")?, false).map_err(refused)?;
+    let pick = Pick {
+        upstream: text(body, "upstream")?.map(str::to_owned),
+        scope: text(body, "scope")?.map(str::to_owned),
     };
-    let retention = settle::retention_of(&state.config);
-    let text = |field: &str| body.get(field).and_then(Value::as_str);
-    let settled = match act {
-        // With `upstream` or `scope`: that one record, only while its outcome is unknown.
-        "release" if text("upstream").is_some() || text("scope").is_some() => {
-            let note = settle::note(text("note"), false).map_err(refused)?;
-            let settled = settler
-                .release_one(key, text("upstream"), text("scope"), note, retention)
-                .await
-                .map_err(refused)?;
-            tracing::info!(key, "one record of a key released by an operator");
-            (Some(1), settled)
-        }
+    let (released, settled) = match act {
         "release" => {
-            let note = settle::note(text("note"), false).map_err(refused)?;
-            let (n, settled) = settler
-                .release(key, note, retention)
-                .await
-                .map_err(refused)?;
-            tracing::info!(key, released = n, "key released by an operator");
-            (Some(n), settled)
+            let settled = settler.release(key, &pick, note).await.map_err(refused)?;
+            (Some(settled.audit.len()), settled)
         }
         "complete" => {
-            let note = settle::note(text("note"), false).map_err(refused)?;
             let completion = completion(body)?;
             let settled = settler
-                .complete(key, completion, note, retention)
+                .complete(key, &pick, &completion, note)
                 .await
                 .map_err(refused)?;
-            tracing::info!(key, "key completed by an operator");
             (None, settled)
         }
         _ => {
@@ -61,7 +43,6 @@ pub async fn act(
             ))
         }
     };
-    let (released, settled) = settled;
     for row in settled.audit {
         state.auditor.send(row);
     }
@@ -72,15 +53,34 @@ pub async fn act(
     })
 }
 
+/// A text field of the body: absent (or null) is `None`; anything but text is refused rather
+/// than read as absent (a `scope` sent as a number must not widen the act).
+fn text<'b>(body: &'b Value, field: &str) -> Result<Option<&'b str>, ProxyError> {
+    match body.get(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(ProxyError::new(
+            ErrorKind::BodyInvalid,
+            format!("`{field}` is text"),
+        )),
+    }
+}
+
 /// The answer of a `complete` body: `status`, `headers` (an object, or a list of
-/// `[name, value]` pairs), `body` (text), and `upstream` / `scope` to pick a record.
+/// `[name, value]` pairs) and `body` (text).
 pub fn completion(body: &Value) -> Result<Completion, ProxyError> {
     let invalid = |m: String| ProxyError::new(ErrorKind::BodyInvalid, m);
-    let status = body
-        .get("status")
-        .and_then(Value::as_u64)
-        .and_then(|s| u16::try_from(s).ok())
-        .ok_or_else(|| invalid("`status` (the real answer's HTTP status) is required".into()))?;
+    let status = match body.get("status").map(|s| (s, s.as_u64())) {
+        None | Some((Value::Null, _)) => {
+            return Err(invalid(
+                "`status` (the real answer's HTTP status) is required".into(),
+            ))
+        }
+        Some((_, Some(n))) => u16::try_from(n).unwrap_or(0),
+        Some((other, None)) => {
+            return Err(invalid(format!("`status` {other} is not an HTTP status")))
+        }
+    };
     let headers = match body.get("headers") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Object(map)) => map
@@ -104,13 +104,10 @@ pub fn completion(body: &Value) -> Result<Completion, ProxyError> {
         // An object pasted as JSON rather than as text: stored as its JSON text.
         Some(other) => other.to_string(),
     };
-    let field = |f: &str| body.get(f).and_then(Value::as_str).map(str::to_owned);
     Ok(Completion {
         status,
         headers,
         body: Bytes::from(text),
-        upstream: field("upstream"),
-        scope: field("scope"),
     })
 }
 
@@ -122,26 +119,22 @@ fn header_text(v: &Value) -> Result<String, String> {
     }
 }
 
-/// A refusal as the admin API's JSON error.
+/// A refusal as the admin API's JSON error, with the records that explain it.
 pub fn refused(r: Refused) -> ProxyError {
-    let records = |rs: &[crate::store::KeyRecord]| json!({"records": rs.iter().map(record_json).collect::<Vec<_>>()});
-    match r {
-        Refused::NoKey => ProxyError::new(ErrorKind::NotFound, "no record carries this key"),
-        Refused::NotUnknown(rs) => ProxyError::new(
-            ErrorKind::NotSettleable,
-            "only a key whose outcome is unknown (or whose call's lease lapsed) can be settled",
-        )
-        .details(records(&rs)),
-        Refused::Ambiguous(rs) => ProxyError::new(
-            ErrorKind::NotSettleable,
-            "several records carry this key: give `upstream` and `scope` to pick one",
-        )
-        .details(records(&rs)),
-        Refused::Invalid(m) => ProxyError::new(ErrorKind::BodyInvalid, m),
-        Refused::Busy => ProxyError::new(
-            ErrorKind::EntityBusy,
-            "the key's entities stayed locked by requests in flight; try again",
-        ),
-        Refused::Store(e) => ProxyError::store(e),
+    let kind = match &r {
+        Refused::Store(e) => return ProxyError::store(e),
+        Refused::NoKey => ErrorKind::NotFound,
+        Refused::NotUnknown(_) | Refused::Ambiguous(_) => ErrorKind::NotSettleable,
+        Refused::Invalid(_) => ErrorKind::BodyInvalid,
+        Refused::Busy => ErrorKind::EntityBusy,
+    };
+    let records: Vec<Value> = r.records().iter().map(record_json).collect();
+    let message = match &r {
+        Refused::Ambiguous(_) => format!("{r}: give `upstream` and `scope` in the body"),
+        _ => r.to_string(),
+    };
+    match records.is_empty() {
+        true => ProxyError::new(kind, message),
+        false => ProxyError::new(kind, message).details(json!({ "records": records })),
     }
 }

@@ -11,7 +11,7 @@
 use super::form::Form;
 use super::page::{self, key_href};
 use crate::key::entity_scope;
-use crate::settle::{self, Completion, Refused, Settler};
+use crate::settle::{self, Completion, Pick, Refused, Settler};
 use crate::state::AppState;
 use crate::store::{now_ms, AuditRow, KeyRecord};
 use crate::upstream::ProxyBody;
@@ -28,21 +28,14 @@ pub async fn release(state: &AppState, form: &Form) -> Response<ProxyBody> {
     let key = form.get("key").unwrap_or_default();
     let done = async {
         let note = settle::note(form.get("note"), true)?;
-        // This record only, and only while its outcome is still unknown (checked under the
-        // entity locks): a page read a minute ago must not drop an answer a retry or a
-        // reconcile read has stored since, nor another caller's record of the same key.
-        let field = |f: &str| form.get(f).filter(|v| !v.is_empty());
-        let settled = settler(state)
-            .release_one(
-                key,
-                field("upstream"),
-                field("scope"),
-                note,
-                settle::retention_of(&state.config),
-            )
-            .await?;
-        tracing::info!(key, "key released by an operator in the console");
-        Ok(settled.audit)
+        // The record the form was drawn for, and only while its outcome is still unknown
+        // (checked under the entity locks): a page read a minute ago must not drop an answer
+        // a retry or a reconcile read has stored since, nor another caller's record.
+        let settled = Settler::of(state).release(key, &pick(form), note).await?;
+        match settled.audit.is_empty() {
+            true => Err(Refused::NotUnknown(settled.records)),
+            false => Ok(settled.audit),
+        }
     };
     finish(state, key, "released", done.await).await
 }
@@ -53,13 +46,21 @@ pub async fn complete(state: &AppState, form: &Form) -> Response<ProxyBody> {
     let done = async {
         let note = settle::note(form.get("note"), true)?;
         let completion = completion(form)?;
-        let settled = settler(state)
-            .complete(key, completion, note, settle::retention_of(&state.config))
+        let settled = Settler::of(state)
+            .complete(key, &pick(form), &completion, note)
             .await?;
-        tracing::info!(key, "key completed by an operator in the console");
         Ok(settled.audit)
     };
     finish(state, key, "completed", done.await).await
+}
+
+/// The record the form names (its hidden `upstream` and `scope`).
+fn pick(form: &Form) -> Pick {
+    let field = |f: &str| form.get(f).filter(|v| !v.is_empty()).map(str::to_owned);
+    Pick {
+        upstream: field("upstream"),
+        scope: field("scope"),
+    }
 }
 
 /// The answer pasted into the form. Browsers send a textarea's line ends as CRLF: the body
@@ -82,23 +83,11 @@ fn completion(form: &Form) -> Result<Completion, Refused> {
         headers.push((name.trim().to_owned(), value.trim().to_owned()));
     }
     let body = form.get("body").unwrap_or_default().replace("\r\n", "\n");
-    let field = |f: &str| form.get(f).filter(|v| !v.is_empty()).map(str::to_owned);
     Ok(Completion {
         status,
         headers,
         body: Bytes::from(body),
-        upstream: field("upstream"),
-        scope: field("scope"),
     })
-}
-
-fn settler(state: &AppState) -> Settler<'_> {
-    Settler {
-        store: state.store.as_ref(),
-        locks: Some(&state.entity_locks),
-        owner: &state.owner,
-        lease: state.config.store.lease,
-    }
 }
 
 /// The audit rows queued, then the key's page; or the refusal as a page.
@@ -140,41 +129,22 @@ async fn audited(state: &AppState, key: &str, (at, decision): (i64, String)) {
 
 /// Why an act was refused, as a page; nothing changed.
 fn refusal(key: &str, r: Refused) -> Response<ProxyBody> {
-    let (status, message, records) = match r {
-        Refused::NoKey => (
-            StatusCode::NOT_FOUND,
-            "No record carries this key.".to_owned(),
-            vec![],
-        ),
-        Refused::NotUnknown(rs) => (
-            StatusCode::CONFLICT,
-            "Only a key whose outcome is unknown (or whose call's lease lapsed) can be settled; \
-             this one's is known, or its call may still be running."
-                .to_owned(),
-            rs,
-        ),
-        Refused::Ambiguous(rs) => (
-            StatusCode::CONFLICT,
-            "Several records carry this key: settle it from the record's own form.".to_owned(),
-            rs,
-        ),
-        Refused::Invalid(m) => (StatusCode::BAD_REQUEST, m, vec![]),
-        Refused::Busy => (
-            StatusCode::CONFLICT,
-            "The key's entities stayed locked by requests in flight; try again.".to_owned(),
-            vec![],
-        ),
-        Refused::Store(e) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("The store failed: {e}"),
-            vec![],
-        ),
+    let status = match &r {
+        Refused::NoKey => StatusCode::NOT_FOUND,
+        Refused::NotUnknown(_) | Refused::Ambiguous(_) | Refused::Busy => StatusCode::CONFLICT,
+        Refused::Invalid(_) => StatusCode::BAD_REQUEST,
+        Refused::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
     };
+    let message = match &r {
+        Refused::Ambiguous(_) => format!("{r}: settle it from the record's own form."),
+        _ => format!("{r}."),
+    };
+    let records = r.records();
     let now = now_ms();
     let body = html! {
         h1 { "Nothing changed" }
         p.problem { (message) }
-        @for r in &records {
+        @for r in records {
             p { code { (r.id.upstream) } " · scope " code { (entity_scope(&r.id.scope)) } ": "
                 (r.effective_state(now).as_str()) }
         }
@@ -249,8 +219,9 @@ mod tests {
             ]
         );
         assert_eq!(&c.body[..], b"{\n  \"id\": 1\n}");
+        let p = pick(&form);
         assert_eq!(
-            (c.upstream, c.scope.as_deref()),
+            (p.upstream, p.scope.as_deref()),
             (None, Some("0123456789abcdef"))
         );
         assert!(completion(&Form::of(&[("status", "x")])).is_err());
