@@ -224,7 +224,9 @@ async fn timeline(_w: &World, b: &Browser) {
         why[2].text().await.unwrap().contains("not newer"),
         "the stale write's reason"
     );
-    assert!(b.text("table.now").await.contains('2'), "version 2 now");
+    let now = b.find_all("table.now td").await;
+    assert_eq!(now.len(), 3, "one scope's version and claim");
+    assert_eq!(now[1].text().await.unwrap(), "2", "version 2 now");
     b.screenshot("06-timeline").await;
 }
 
@@ -359,29 +361,36 @@ async fn csrf(w: &World, b: &Browser) {
         .unwrap();
     let cookie = format!("idemproxy_console={}", session.value());
     let form_type = ("content-type", "application/x-www-form-urlencoded");
-    let fields = format!("key={}&note=forged", encode(HOSTILE_LOST_KEY));
-    let url = w.proxy.admin_url("/console/release");
-    for (headers, body, status) in [
-        (vec![form_type, ("cookie", &cookie)], fields.clone(), 403),
-        (
-            vec![form_type, ("cookie", &cookie)],
-            format!("{fields}&csrf=00ff"),
-            403,
-        ),
-        (
-            vec![form_type],
-            format!("{fields}&csrf={}", csrf.clone().unwrap_or_default()),
-            401,
-        ),
-    ] {
-        let resp = request("POST", &url, &headers, body).await;
-        assert_eq!(resp.status, status, "{}", resp.text());
+    let fields = format!(
+        "key={}&note=forged&status=201&body=x",
+        encode(HOSTILE_LOST_KEY)
+    );
+    let sent = w.upstream.count();
+    for act in ["/console/release", "/console/complete"] {
+        let url = w.proxy.admin_url(act);
+        for (headers, body, status) in [
+            (vec![form_type, ("cookie", &cookie)], fields.clone(), 403),
+            (
+                vec![form_type, ("cookie", &cookie)],
+                format!("{fields}&csrf=00ff"),
+                403,
+            ),
+            (
+                vec![form_type],
+                format!("{fields}&csrf={}", csrf.clone().unwrap_or_default()),
+                401,
+            ),
+        ] {
+            let resp = request("POST", &url, &headers, body).await;
+            assert_eq!(resp.status, status, "{act}: {}", resp.text());
+        }
     }
     assert_eq!(
         w.state_of(HOSTILE_LOST_KEY).await,
         "unknown",
         "nothing changed"
     );
+    assert_eq!(w.upstream.count(), sent, "nothing forwarded");
 
     // With its token, the same form works; the note is shown as written.
     b.goto(&w.proxy.admin_url("/")).await;
