@@ -409,3 +409,28 @@ async fn a_replay_storm_is_counted_whole_in_the_audit_trail() {
         .unwrap();
     assert_eq!(forwarded, 1);
 }
+
+/// A request refused before its key is looked up (here its entity cannot be named) is still an
+/// audit row that says which workflow sent it, and nothing is forwarded.
+#[tokio::test]
+async fn a_request_refused_early_is_audited_with_its_workflow() {
+    let upstream = RecordingUpstream::start().await;
+    let toml = config("", &upstream.url(), "", &route("book", "/book", ""));
+    let proxy = TestProxy::start(&toml).await;
+    let headers = [("x-workflow-id", "run-78")];
+    let refused = post_json(&proxy.url("/api/book"), Some("ev-1"), &json!({}), &headers).await;
+    let decision = refused.error_type().unwrap_or_default().to_owned();
+    assert_eq!(refused.status, 400, "{}", refused.text());
+    assert_eq!(upstream.count(), 0);
+    let db = rusqlite::Connection::open(proxy.dir.db_path()).unwrap();
+    let workflow = || -> Option<String> {
+        db.query_row(
+            "SELECT workflow FROM idem_audit WHERE decision = ?1",
+            [&decision],
+            |r| r.get(0),
+        )
+        .ok()
+    };
+    wait_until(|| workflow().is_some(), WAIT, "the refusal is audited").await;
+    assert_eq!(workflow().as_deref(), Some("run-78"));
+}

@@ -14,10 +14,11 @@ const HISTORY: i64 = 100;
 /// Every record of a key and its attempts (audit rows, newest first); `None` if unknown.
 pub async fn key_report(store: &dyn Store, key: &str) -> StoreResult<Option<Value>> {
     let records = store.find_key(key).await?;
-    if records.is_empty() {
+    // A key refused before it was stored has no record, only its attempts.
+    let attempts = store.audit_for_key(key, HISTORY).await?;
+    if records.is_empty() && attempts.is_empty() {
         return Ok(None);
     }
-    let attempts = store.audit_for_key(key, HISTORY).await?;
     Ok(Some(json!({
         "key": key,
         "records": records.iter().map(record_json).collect::<Vec<_>>(),

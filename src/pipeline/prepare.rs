@@ -42,8 +42,11 @@ pub(super) async fn step(
         body: &body,
         path_params: &params,
     };
+    // Read first: a request refused here is an audit row too, and says who sent it.
+    let workflow = workflow(server.workflow_header.as_ref(), &parts.headers);
     let prepared = prepare(&ctx.upstream, &ctx.route, plan, &input, &ctx.state.scoper);
     if let Err(e) = prepared {
+        ctx.prepared.workflow = workflow;
         // Observe mode forwards what enforce mode would refuse: keep the request to send (if
         // it cannot even be built, the refusal stands).
         if ctx.route.mode == crate::config::Mode::Observe {
@@ -54,7 +57,7 @@ pub(super) async fn step(
         return Err(e);
     }
     ctx.prepared = prepared?;
-    ctx.prepared.workflow = workflow(server.workflow_header.as_ref(), &parts.headers);
+    ctx.prepared.workflow = workflow;
     ctx.evaluated = true;
     // Unkeyed scopes (records stored before scopes were keyed) hashed `Authorization` and `scope_headers` only: a request that
     // also carries another credential header (a cookie, an API key) shares that old scope with
