@@ -13,7 +13,7 @@ use super::outcome::{finish_of, outcome_of, Answer, Outcome};
 use super::reconcile::{self, Verdict};
 use super::{Ctx, Detached, Reply};
 use crate::error::ProxyError;
-use crate::store::{Finish, KeyState, ScopedKey, StoreResult, When};
+use crate::store::{AfterCommit, Finish, KeyState, ScopedKey, StoreResult, When};
 use crate::upstream::Called;
 use std::time::Duration;
 
@@ -188,7 +188,7 @@ async fn record_later(ctx: &mut Ctx, finish: Finish) {
         ctx.prepared.id.clone(),
         ctx.slot.take(),
     );
-    let then = Box::new(move |stored| {
+    let then = AfterCommit::new(move |stored| {
         heard(&stats, &id, stored);
         drop(slot);
     });

@@ -135,9 +135,9 @@ impl Keys for CachedStore {
         if let When::Later(then) = when {
             let (entries, settling) = (self.entries.clone(), self.settling.clone());
             let theirs = id.clone();
-            let then: AfterCommit = Box::new(move |stored| {
+            let then = AfterCommit::new(move |stored| {
                 settle(&entries, &settling, &theirs, plan, &stored);
-                then(stored)
+                then.tell(stored)
             });
             return self
                 .inner

@@ -27,7 +27,7 @@ pub use answer::{
 pub use error::{StoreError, StoreResult};
 pub use id::{KeyParts, ScopedKey};
 pub use records::{
-    AuditCount, AuditRow, Claim, Effects, EntityLease, EntityState, KeyFilter, ScopeId,
+    AfterCommit, AuditCount, AuditRow, Claim, Effects, EntityLease, EntityState, KeyFilter, ScopeId,
 };
 
 use async_trait::async_trait;
@@ -193,9 +193,6 @@ pub enum When {
     /// quick and must not block; others call it before `finish` returns.
     Later(AfterCommit),
 }
-
-/// Told how a write nobody waits on went (see [`When::Later`]).
-pub type AfterCommit = Box<dyn FnOnce(StoreResult<bool>) + Send>;
 
 /// See [`Store::observe_releases`].
 pub type ReleaseObserver = std::sync::Arc<dyn Fn(Option<&str>) + Send + Sync>;

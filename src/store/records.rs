@@ -1,6 +1,6 @@
 //! Records of ordered persistence and of the audit trail, and what operators ask of them.
 
-use super::{KeyState, ScopedKey};
+use super::{KeyState, ScopedKey, StoreError, StoreResult};
 
 /// What the store knows of one entity.
 #[derive(Debug, Clone, PartialEq)]
@@ -153,4 +153,48 @@ pub struct AuditCount {
     pub decision: String,
     pub minute: i64,
     pub requests: i64,
+}
+
+/// Told how a write nobody waits on went (see [`super::When::Later`]), exactly once: one dropped
+/// untold (a writer that stopped with the write still queued) tells that the store is closed,
+/// so the caller's bookkeeping (the error counted, the key's slot let go) always runs.
+pub struct AfterCommit(Option<Box<dyn FnOnce(StoreResult<bool>) + Send>>);
+
+impl AfterCommit {
+    pub fn new(then: impl FnOnce(StoreResult<bool>) + Send + 'static) -> Self {
+        AfterCommit(Some(Box::new(then)))
+    }
+
+    /// Tells how the write went.
+    pub fn tell(mut self, stored: StoreResult<bool>) {
+        if let Some(then) = self.0.take() {
+            then(stored)
+        }
+    }
+}
+
+impl Drop for AfterCommit {
+    fn drop(&mut self) {
+        if let Some(then) = self.0.take() {
+            then(Err(StoreError::Closed))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    #[test]
+    fn after_commit_is_told_once_even_when_dropped() {
+        let heard = Arc::new(Mutex::new(Vec::new()));
+        let told = |heard: &Arc<Mutex<Vec<String>>>| {
+            let heard = heard.clone();
+            AfterCommit::new(move |r| heard.lock().unwrap().push(format!("{r:?}")))
+        };
+        told(&heard).tell(Ok(true));
+        drop(told(&heard));
+        assert_eq!(*heard.lock().unwrap(), ["Ok(true)", "Err(Closed)"]);
+    }
 }

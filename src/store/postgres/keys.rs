@@ -110,8 +110,8 @@ impl Keys for PgStore {
             When::Answered => answered(sealed?).await,
             When::Later(then) => {
                 match sealed {
-                    Ok(c) => then(answered(c).await),
-                    Err(e) => then(Err(e)),
+                    Ok(c) => then.tell(answered(c).await),
+                    Err(e) => then.tell(Err(e)),
                 }
                 Ok(true)
             }

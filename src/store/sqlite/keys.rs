@@ -210,7 +210,7 @@ impl SqliteStore {
         let sealed = outcome.into_columns(self.cipher.as_deref(), id, epoch);
         let (columns, heard) = match (sealed, when) {
             (Err(e), When::Later(then)) => {
-                then(Err(e));
+                then.tell(Err(e));
                 return Ok(true);
             }
             (Err(e), _) => return Err(e),
@@ -226,7 +226,7 @@ impl SqliteStore {
                     .writer
                     .write_heard(Heard::Synced, move |ctx| finish(ctx, &id, epoch, &c))
                     .await;
-                then(done);
+                then.tell(done);
                 return Ok(true);
             }
             (Ok(c), When::Answered) if c.effects.is_empty() => (c, Heard::Committed),

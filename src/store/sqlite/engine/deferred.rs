@@ -30,7 +30,7 @@ impl Later {
     /// The write as a job of the batch's: `then` hears of it after the commit, as every write
     /// heard of at its commit does.
     fn job(self) -> Job {
-        Box::new(move |ctx| deliver(self.then, (self.run)(ctx)))
+        Box::new(move |ctx| deliver(move |r| self.then.tell(r), (self.run)(ctx)))
     }
 }
 

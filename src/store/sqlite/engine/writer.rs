@@ -157,7 +157,7 @@ impl Writer {
             // Full means the writer has work queued already: it will take this with it.
             Ok(true) => drop(self.tx.try_send(Msg::Nudge)),
             Ok(false) => {}
-            Err(later) => (later.then)(Err(StoreError::Closed)),
+            Err(later) => later.then.tell(Err(StoreError::Closed)),
         }
     }
 

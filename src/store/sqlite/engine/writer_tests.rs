@@ -148,7 +148,10 @@ where
     F: FnOnce(&Tx) -> StoreResult<bool> + Send + 'static,
 {
     let (tx, rx) = oneshot::channel();
-    w.finish_later(f, Box::new(move |res| drop(tx.send(res))));
+    w.finish_later(
+        f,
+        crate::store::AfterCommit::new(move |res| drop(tx.send(res))),
+    );
     rx
 }
 
