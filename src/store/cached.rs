@@ -103,6 +103,9 @@ impl Keys for CachedStore {
     fn cached(&self, id: &ScopedKey) -> Option<Arc<CachedAnswer>> {
         self.entries.get(id)
     }
+    fn lately_completed(&self, id: &ScopedKey) -> bool {
+        self.entries.stale(id)
+    }
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
         let record = self.inner.get(id).await?;
         if let Some(rec) = &record {

@@ -205,6 +205,12 @@ pub trait Keys: Send + Sync + 'static {
     fn cached(&self, _id: &ScopedKey) -> Option<std::sync::Arc<cached::CachedAnswer>> {
         None
     }
+    /// Whether the replay cache held a completed answer for the key that is no longer fresh
+    /// (see [`cached::FRESH_FOR_MS`]): a request on it most likely replays, so it reads the
+    /// record rather than let a reservation look it up (see `pipeline::lookup`).
+    fn lately_completed(&self, _id: &ScopedKey) -> bool {
+        false
+    }
     /// Reads one record.
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>>;
     /// Atomically makes the key ours (absent, released, expired — or unknown when

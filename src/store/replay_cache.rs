@@ -21,6 +21,19 @@ pub struct CachedAnswer {
     bytes: u64,
 }
 
+#[cfg(test)]
+impl CachedAnswer {
+    fn clone_of(a: &CachedAnswer) -> CachedAnswer {
+        CachedAnswer {
+            fingerprint: a.fingerprint.clone(),
+            response: a.response.clone(),
+            expires_at: a.expires_at,
+            fresh_until: a.fresh_until,
+            bytes: a.bytes,
+        }
+    }
+}
+
 #[derive(Clone)]
 pub(super) struct ByBytes;
 
@@ -47,14 +60,27 @@ impl Entries {
         }
     }
 
+    /// The key's answer, while it is fresh. One past its freshness but not its retention
+    /// stays, as a hint for [`Entries::stale`], until a read replaces it or it is evicted.
     pub(super) fn get(&self, id: &ScopedKey) -> Option<Arc<CachedAnswer>> {
         let hit = self.answers.get(id)?;
         let now = now_ms();
         if hit.fresh_until > now && hit.expires_at > now {
             return Some(hit);
         }
-        self.answers.remove(id);
+        if hit.expires_at <= now {
+            self.answers.remove(id);
+        }
         None
+    }
+
+    /// Whether the key was completed when last read, though that was over [`FRESH_FOR_MS`]
+    /// ago: most likely it still is, and a request on it replays once it is read again.
+    pub(super) fn stale(&self, id: &ScopedKey) -> bool {
+        let now = now_ms();
+        self.answers
+            .peek(id)
+            .is_some_and(|hit| hit.fresh_until <= now && hit.expires_at > now)
     }
 
     /// `false` when the answer stays out (released lately, or too large).
@@ -145,5 +171,21 @@ mod tests {
         // A read that began before the release cannot put the answer back.
         c.put(&id("a"), "fp", resp(), now_ms() + 60_000);
         assert!(c.get(&id("a")).is_none());
+    }
+
+    #[test]
+    fn an_answer_past_its_freshness_is_a_hint_not_a_hit() {
+        let c = Entries::new();
+        c.put(&id("a"), "fp", resp(), now_ms() + 60_000);
+        assert!(!c.stale(&id("a")), "fresh");
+        // As it stands FRESH_FOR_MS later.
+        let mut aged = CachedAnswer::clone_of(&c.answers.peek(&id("a")).unwrap());
+        aged.fresh_until = now_ms() - 1;
+        c.answers.insert(id("a"), Arc::new(aged));
+        assert!(c.get(&id("a")).is_none(), "never replayed from");
+        assert!(c.stale(&id("a")), "still a hint after a look-up");
+        c.forget(Some("a"));
+        assert!(!c.stale(&id("a")), "a release forgets the hint too");
+        assert!(!c.stale(&id("never")));
     }
 }
