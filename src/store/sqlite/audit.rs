@@ -115,7 +115,7 @@ pub fn purge(conn: &Connection, now: i64, batch: i64, released_before: i64) -> S
 impl AuditLog for SqliteStore {
     async fn append_audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
         self.writer
-            .write_heard(super::engine::job::Heard::Aside, move |ctx| {
+            .write_heard(super::engine::job::Heard::Committed, move |ctx| {
                 append_audit(ctx.conn, &rows)
             })
             .await

@@ -42,8 +42,4 @@ pub enum Heard {
     /// let go of the key's slot and entity locks at once, and a lone first write pays one
     /// `fdatasync` (its reservation's), not two.
     Committed,
-    /// As [`Heard::Committed`], for a large write that no other depends on (a batch of audit
-    /// rows: hundreds of rows, milliseconds): it commits after the batch's other writes, in a
-    /// transaction of its own, so no reservation waits for it.
-    Aside,
 }

@@ -239,20 +239,3 @@ async fn a_spinning_writer_misses_nothing() {
     within(parked(&w)).await;
     within(w.close()).await;
 }
-
-#[tokio::test]
-async fn audit_rows_commit_after_the_reservation_they_were_batched_with() {
-    // An hour's linger: the audit rows wait for the reservation, and the two are one batch.
-    let (_dir, path, w) = writer(Duration::from_secs(3600));
-    let path2 = path.clone();
-    let aside = queued(w.write_heard(Heard::Aside, move |ctx| {
-        insert(1)(ctx)?;
-        // The reservation is committed before the audit rows are written.
-        Ok(committed(&path2, 2))
-    }));
-    let outcome = queued(w.write_heard(Heard::Committed, insert(3)));
-    within(w.write(insert(2))).await.unwrap();
-    assert!(within(aside).await.unwrap(), "one transaction");
-    within(outcome).await.unwrap();
-    assert!(committed(&path, 1) && committed(&path, 3));
-}

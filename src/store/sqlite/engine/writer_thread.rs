@@ -173,27 +173,9 @@ impl Batch<'_> {
     }
 }
 
-/// Runs a batch; callers hear back only after its commit (and its sync). Returns what it ran,
-/// for [`Pace`]. Writes set [`Heard::Aside`] (audit rows) commit after the rest, in a
-/// transaction of their own: a reservation that waited for an audit batch's hundreds of rows
-/// was held back milliseconds, the tail of first writes and of replays read again.
+/// Runs a batch in one transaction; callers hear back only after the commit (and its sync).
+/// Returns what it ran, for [`Pace`].
 fn run_batch(ctx: &Tx, jobs: Vec<(Job, Heard)>, mut batch: Batch) -> Ran {
-    let aside = jobs.iter().filter(|(_, h)| *h == Heard::Aside).count();
-    if aside == 0 || aside == jobs.len() {
-        return transaction(ctx, jobs, &mut batch, true);
-    }
-    let (rest, aside): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|(_, h)| *h != Heard::Aside);
-    let first = transaction(ctx, rest, &mut batch, false);
-    let second = transaction(ctx, aside, &mut batch, false);
-    Ran {
-        jobs: first.jobs + second.jobs,
-        waited_on: first.waited_on || second.waited_on,
-    }
-}
-
-/// Runs `jobs` in one transaction (and, with `more`, whatever [`Batch::more`] adds), commits,
-/// and delivers each reply.
-fn transaction(ctx: &Tx, jobs: Vec<(Job, Heard)>, batch: &mut Batch, more: bool) -> Ran {
     let conn = ctx.conn;
     if !conn.is_autocommit() {
         // A transaction left open by a failed commit is let go before the next one.
@@ -208,13 +190,13 @@ fn transaction(ctx: &Tx, jobs: Vec<(Job, Heard)>, batch: &mut Batch, more: bool)
     let mut done: Vec<Delivery> = Vec::with_capacity(jobs.len());
     let mut committed: Vec<Delivery> = Vec::new();
     let mut jobs = jobs.into_iter();
-    while let Some((job, heard)) = jobs.next().or_else(|| {
-        more.then(|| batch.more(done.len() + committed.len()))
-            .flatten()
-    }) {
+    while let Some((job, heard)) = jobs
+        .next()
+        .or_else(|| batch.more(done.len() + committed.len()))
+    {
         match heard {
             Heard::Synced => done.push(job(ctx)),
-            Heard::Committed | Heard::Aside => committed.push(job(ctx)),
+            Heard::Committed => committed.push(job(ctx)),
         }
         if done.len() + committed.len() == 1 && jobs.len() > 0 {
             crate::fault::point(crate::fault::Point::BatchMid);
