@@ -76,20 +76,26 @@ measure() { # BIN: "req/s cpu-µs-per-request" of one run on a fresh store
   out=$(wrk -t"$(( CONN < 2 ? 1 : 2 ))" -c"$CONN" -d"${DUR}s" -s "$SCRIPT" "http://127.0.0.1:$PROXY/api/v1/charges")
   after=$(cpu_us "$pid")
   kill "$pid"; wait "$pid" 2>/dev/null || true
+  # p99 from the script's done() (ms), or wrk's own 99% line with --latency; 0 when neither.
   echo "$out" | awk -v cpu=$((${after%.*} - ${before%.*})) \
-    '/requests in/ {n = $1} /Requests\/sec/ {r = $2} END {printf "%s %.1f\n", r, cpu / n}'
+    '/requests in/ {n = $1} /Requests\/sec/ {r = $2} $1 == "P99" {p = $2 + 0}
+     END {printf "%s %.1f %.3f\n", r, cpu / n, p}'
 }
 
 echo "A: $A"; echo "B: $B"; echo "$N pairs, $DUR s each, $CONN connections, $SCRIPT, $STORE"
 for _ in $(seq "$N"); do
   echo "$(measure "$A") $(measure "$B")"
 done | awk '{
-    x = $3 / $1; y = $4 / $2; n++; s += x; ss += x * x; t += y; tt += y * y
-    printf "  A %8.0f req/s %5.1f us   B %8.0f req/s %5.1f us   B/A %.3f\n", $1, $2, $3, $4, x
+    x = $4 / $1; y = $5 / $2; n++; s += x; ss += x * x; t += y; tt += y * y
+    if ($3 > 0 && $6 > 0) { z = $6 / $3; q++; u += z; uu += z * z }
+    printf "  A %8.0f req/s %5.1f us p99 %6.3f ms   B %8.0f req/s %5.1f us p99 %6.3f ms   B/A %.3f\n",
+      $1, $2, $3, $4, $5, $6, x
   }
   END {
     if (n < 2) exit
     m = s / n; c = t / n
     printf "req/s B/A %.3f +- %.3f    CPU per request B/A %.3f +- %.3f   (mean +- standard error)\n",
       m, sqrt((ss / n - m * m) / (n - 1)), c, sqrt((tt / n - c * c) / (n - 1))
+    if (q >= 2) { w = u / q
+      printf "p99 B/A %.3f +- %.3f\n", w, sqrt((uu / q - w * w) / (q - 1)) }
   }'
