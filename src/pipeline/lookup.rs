@@ -51,8 +51,8 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
             }
             return Err(key_reused());
         }
-        let lately = ctx.state.store.lately_completed(&ctx.prepared.id);
-        let mut record = match reservation_looks_up(ctx) && !lately {
+        let replay = ctx.state.store.likely_replay(&ctx.prepared.id);
+        let mut record = match reservation_looks_up(ctx) && !replay {
             true => None,
             false => get(ctx, &ctx.prepared.id).await?,
         };
@@ -116,11 +116,11 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
 /// it finds comes back to this step (as `ctx.taken`) and is decided on as if read here. One
 /// store trip fewer for every first write.
 ///
-/// Not for a key the replay cache held completed until lately (its answer past
-/// `FRESH_FOR_MS`): such a request most likely replays, and a read takes it from the store's
-/// readers, while a reservation queues on SQLite's one writer behind whatever it is committing
-/// (an audit batch of hundreds of rows: 10–17 ms, which was the p99 of replays spread over many
-/// keys).
+/// Not for a request that most likely replays (`Keys::likely_replay`: the replay cache held
+/// its key's answer until lately, or most look-ups that missed the cache lately were of
+/// completed keys): a read takes it from the store's readers, while a reservation queues on
+/// SQLite's one writer behind whatever it is committing (an audit batch of hundreds of rows:
+/// 10–17 ms, which was the p99 of replays spread over more keys than the cache holds).
 ///
 /// Not on `in_flight = "reject"` routes: there, concurrent retries of a completed key the cache
 /// does not hold would find its slot taken before anything read the key, and be refused

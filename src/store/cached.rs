@@ -9,8 +9,8 @@
 //! hear it is seen within [`FRESH_FOR_MS`], after which an entry is read again. Memory is
 //! bounded by bytes (quick_cache's S3-FIFO evicts).
 
-use super::replay_cache::Entries;
 pub use super::replay_cache::{CachedAnswer, FRESH_FOR_MS};
+use super::replay_cache::{Entries, Misses};
 use super::settling::Settling;
 use super::*;
 use std::collections::HashMap;
@@ -26,6 +26,8 @@ pub struct CachedStore {
     reserved: Mutex<HashMap<ScopedKey, (String, Option<u64>), ahash::RandomState>>,
     /// Answers given before their commit, which an operator's read waits for.
     settling: Arc<Settling>,
+    /// How the look-ups that missed the cache ended lately.
+    misses: Misses,
 }
 
 /// What [`CachedStore`] does once an outcome's write is over (see [`CachedStore::settle`]).
@@ -68,6 +70,7 @@ impl CachedStore {
             entries,
             reserved: Mutex::default(),
             settling: Arc::default(),
+            misses: Misses::default(),
         })
     }
 }
@@ -103,13 +106,14 @@ impl Keys for CachedStore {
     fn cached(&self, id: &ScopedKey) -> Option<Arc<CachedAnswer>> {
         self.entries.get(id)
     }
-    fn lately_completed(&self, id: &ScopedKey) -> bool {
-        self.entries.stale(id)
+    fn likely_replay(&self, id: &ScopedKey) -> bool {
+        self.entries.stale(id) || self.misses.mostly_replays()
     }
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
         let record = self.inner.get(id).await?;
-        if let Some(rec) = &record {
-            self.keep(rec);
+        // A completed record counts here; a new key counts once, at its reservation.
+        if record.as_ref().is_some_and(|r| self.keep(r)) {
+            self.misses.found(true);
         }
         Ok(record)
     }
@@ -118,12 +122,17 @@ impl Keys for CachedStore {
         let reserved = self.inner.reserve(r).await?;
         match &reserved {
             Reserved::Owned { .. } => {
+                self.misses.found(false);
                 let mut map = self.reserved.lock().unwrap_or_else(|p| p.into_inner());
                 map.insert(id, (fingerprint, None));
             }
             // The reservation was the look-up (see `Keys::reserve`): what it found fills the
             // cache as a read would.
-            Reserved::Existing(rec) => self.keep(rec),
+            Reserved::Existing(rec) => {
+                if self.keep(rec) {
+                    self.misses.found(true);
+                }
+            }
         }
         Ok(reserved)
     }
@@ -206,16 +215,17 @@ impl Keys for CachedStore {
 }
 
 impl CachedStore {
-    /// Caches a completed record read from the store. A sealed answer is never cached: each
-    /// look-up meets it (and refuses it) anew.
-    fn keep(&self, rec: &KeyRecord) {
+    /// Caches a completed record read from the store, and says whether it was completed. A
+    /// sealed answer is never cached: each look-up meets it (and refuses it) anew.
+    fn keep(&self, rec: &KeyRecord) -> bool {
         if rec.effective_state(now_ms()) != KeyState::Completed {
-            return;
+            return false;
         }
         if let (Some(StoredAnswer::Open(resp)), Some(exp)) = (&rec.response, rec.expires_at) {
             self.entries
                 .put(&rec.id, &rec.fingerprint, Arc::new(resp.clone()), exp);
         }
+        true
     }
 
     /// The fingerprint the key was reserved with, known to the reservation's owner: the

@@ -205,10 +205,11 @@ pub trait Keys: Send + Sync + 'static {
     fn cached(&self, _id: &ScopedKey) -> Option<std::sync::Arc<cached::CachedAnswer>> {
         None
     }
-    /// Whether the replay cache held a completed answer for the key that is no longer fresh
-    /// (see [`cached::FRESH_FOR_MS`]): a request on it most likely replays, so it reads the
-    /// record rather than let a reservation look it up (see `pipeline::lookup`).
-    fn lately_completed(&self, _id: &ScopedKey) -> bool {
+    /// Whether a request on this key, which the replay cache does not answer, most likely
+    /// replays: the cache held its answer until it went stale (see [`cached::FRESH_FOR_MS`]),
+    /// or most look-ups that missed the cache lately found a completed record. Such a request
+    /// reads the record rather than let a reservation look it up (see `pipeline::lookup`).
+    fn likely_replay(&self, _id: &ScopedKey) -> bool {
         false
     }
     /// Reads one record.

@@ -8,6 +8,35 @@ use std::sync::{Arc, Mutex};
 
 /// How long an entry is trusted before the store is asked again.
 pub const FRESH_FOR_MS: i64 = 5_000;
+/// How the look-ups that missed the cache ended lately (see [`Misses::mostly_replays`]).
+#[derive(Default)]
+pub(super) struct Misses(std::sync::atomic::AtomicU32);
+
+impl Misses {
+    const MAX: u32 = 64;
+
+    /// A look-up that missed the cache found a completed record (`true`), or a reservation
+    /// made a new key ours (`false`). The score climbs by two for the first and falls by one
+    /// for the second; a stream of new keys only reads it.
+    pub(super) fn found(&self, completed: bool) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let _ = self
+            .0
+            .fetch_update(Relaxed, Relaxed, |s| match (completed, s) {
+                (false, 0) | (true, Self::MAX) => None,
+                (true, s) => Some((s + 2).min(Self::MAX)),
+                (false, s) => Some(s - 1),
+            });
+    }
+
+    /// Whether over a third of the keys looked up past the cache lately were completed ones:
+    /// retries of keys the cache does not hold (a store larger than the cache, replayed
+    /// over), which are better read than looked up by a reservation.
+    pub(super) fn mostly_replays(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed) > Self::MAX / 2
+    }
+}
+
 /// Bounds for the whole cache.
 const MAX_ENTRIES: usize = 65_536;
 const MAX_BYTES: u64 = 64 << 20;
@@ -187,5 +216,19 @@ mod tests {
         c.forget(Some("a"));
         assert!(!c.stale(&id("a")), "a release forgets the hint too");
         assert!(!c.stale(&id("never")));
+    }
+
+    #[test]
+    fn misses_that_mostly_find_answers_mean_replays() {
+        let m = Misses::default();
+        // New keys only: never.
+        (0..1000).for_each(|_| m.found(false));
+        assert!(!m.mostly_replays());
+        // Half the misses find a completed record: replays of keys the cache does not hold.
+        (0..100).for_each(|i| m.found(i % 2 == 0));
+        assert!(m.mostly_replays());
+        // A quarter: first writes mostly, as before.
+        (0..400).for_each(|i| m.found(i % 4 == 0));
+        assert!(!m.mostly_replays());
     }
 }
