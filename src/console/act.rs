@@ -155,16 +155,19 @@ fn refusal(key: &str, r: Refused) -> Response<ProxyBody> {
 
 /// The two acts' forms for record `r`, folded until opened (`<details>`: no script).
 pub fn forms(csrf: &str, r: &KeyRecord) -> Markup {
-    let scope = entity_scope(&r.id.scope);
+    // Both forms name the record (its key, upstream and scope: see `pick`) and carry the token.
+    let which = html! {
+        input type="hidden" name="csrf" value=(csrf);
+        input type="hidden" name="key" value=(r.id.key);
+        input type="hidden" name="upstream" value=(r.id.upstream);
+        input type="hidden" name="scope" value=(entity_scope(&r.id.scope));
+    };
     html! {
         div.acts {
             details.act.release {
                 summary { "Release…" }
                 form method="post" action="/console/release" {
-                    input type="hidden" name="csrf" value=(csrf);
-                    input type="hidden" name="key" value=(r.id.key);
-                    input type="hidden" name="upstream" value=(r.id.upstream);
-                    input type="hidden" name="scope" value=(scope);
+                    (which)
                     p.hint { "The write did not happen: the next retry is sent upstream." }
                     label { "Note (what you checked, what you found)"
                         textarea name="note" required rows="2" {} }
@@ -174,10 +177,7 @@ pub fn forms(csrf: &str, r: &KeyRecord) -> Markup {
             details.act.complete {
                 summary { "Mark done…" }
                 form method="post" action="/console/complete" {
-                    input type="hidden" name="csrf" value=(csrf);
-                    input type="hidden" name="key" value=(r.id.key);
-                    input type="hidden" name="upstream" value=(r.id.upstream);
-                    input type="hidden" name="scope" value=(scope);
+                    (which)
                     p.hint { "The write happened: paste the real object. Retries get it, \
                               marked as set by an operator; nothing is sent upstream." }
                     label { "Status" input type="number" name="status" min="200" max="599" value="200" required; }

@@ -9,8 +9,8 @@
 //! `<encrypted>`. The proxy's own markers (header names starting with `:`) are badges.
 
 use super::act;
-use super::decision;
-use super::page::{self, durations, entity_link, precise, when, Frame, Nav};
+use super::page::{self, entity_link, when, Frame, Nav};
+use super::rows;
 use crate::key::entity_scope;
 use crate::key::scope::CREDENTIAL_HEADERS;
 use crate::settle::settleable;
@@ -71,32 +71,7 @@ pub async fn page(
         @if attempts.is_empty() {
             p.none { "No audit row of this key." }
         } @else {
-            table.timeline {
-                thead { tr {
-                    th { "#" } th { "when" } th { "route" } th { "entities" } th { "workflow" }
-                    th { "decision, and why" } th { "upstream" } th { "waited" } th { "scope" }
-                } }
-                tbody {
-                    @for (i, a) in attempts.iter().enumerate() {
-                        tr class={ "row " (decision::kind(&a.decision).name()) } {
-                            td.n { (i + 1) }
-                            td.at { (precise(a.at)) }
-                            td { code { (a.route) } }
-                            td { @for e in &a.entities { (entity_link(e)) " " } }
-                            td { @match &a.workflow { Some(w) => code.workflow { (w) }, None => span.none { "none" } } }
-                            td.decision {
-                                (page::badge(&a.decision))
-                                @if a.requests > 1 { " " span.times { "×" (a.requests) } }
-                                div.why { (decision::why(a)) }
-                                @if let Some(note) = &a.note { div.note { "note: " q { (note) } } }
-                            }
-                            td { @match a.upstream_status { Some(s) => code { (s) }, None => span.none { "none" } } }
-                            td { (durations(a)) }
-                            td { @match &a.scope { Some(s) => code { (s) }, None => span.none { "none" } } }
-                        }
-                    }
-                }
-            }
+            (rows::table(&attempts, rows::Subject::Entities))
         }
     };
     Ok((

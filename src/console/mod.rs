@@ -13,6 +13,7 @@
 //! - `/assets/…` — [`assets`]: the stylesheet and icon, built into the binary.
 //!
 //! Beside them: [`page`] (the frame, links, headers), [`decision`] (what a decision means),
+//! [`rows`] (audit rows as a table),
 //! [`form`] (posted forms and query strings), [`clock`] (UTC times).
 
 mod act;
@@ -25,6 +26,7 @@ mod form;
 mod keys;
 mod overview;
 mod page;
+mod rows;
 mod session;
 pub use session::loopback_host;
 mod timeline;

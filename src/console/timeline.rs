@@ -2,8 +2,8 @@
 //! who sent it (the workflow run, the credential scope), what became of it and why, and how
 //! long it waited; above them, the entity's version and claim as they stand now.
 
-use super::decision;
-use super::page::{self, durations, key_link, precise, when, Frame, Nav};
+use super::page::{self, key_link, when, Frame, Nav};
+use super::rows;
 use crate::state::AppState;
 use crate::store::{now_ms, EntityState, StoreResult};
 use maud::{html, Markup};
@@ -44,32 +44,7 @@ pub async fn page(
             p.empty { "No decision touched this entity (or its audit rows are past retention)." }
         } @else {
             @if full { p.more { "The newest " (LIMIT) " decisions, oldest first." } }
-            table.timeline {
-                thead { tr {
-                    th { "#" } th { "when" } th { "route" } th { "key" } th { "workflow" }
-                    th { "decision, and why" } th { "upstream" } th { "waited" } th { "scope" }
-                } }
-                tbody {
-                    @for (i, row) in rows.iter().enumerate() {
-                        tr class={ "row " (decision::kind(&row.decision).name()) } {
-                            td.n { (i + 1) }
-                            td.at { (precise(row.at)) }
-                            td { code { (row.route) } }
-                            td { @match &row.key { Some(k) => (key_link(k)), None => span.none { "none" } } }
-                            td { @match &row.workflow { Some(w) => code.workflow { (w) }, None => span.none { "none" } } }
-                            td.decision {
-                                (page::badge(&row.decision))
-                                @if row.requests > 1 { " " span.times { "×" (row.requests) } }
-                                div.why { (decision::why(row)) }
-                                @if let Some(note) = &row.note { div.note { "note: " q { (note) } } }
-                            }
-                            td { @match row.upstream_status { Some(s) => code { (s) }, None => span.none { "none" } } }
-                            td { (durations(row)) }
-                            td { @match &row.scope { Some(s) => code { (s) }, None => span.none { "none" } } }
-                        }
-                    }
-                }
-            }
+            (rows::table(&rows, rows::Subject::Key))
         }
     };
     Ok(page::layout(frame, Nav::Entity(entity), entity, body))
