@@ -76,7 +76,9 @@ pub fn completion(body: &Value) -> Result<Completion, ProxyError> {
                 "`status` (the real answer's HTTP status) is required".into(),
             ))
         }
-        Some((_, Some(n))) => u16::try_from(n).unwrap_or(0),
+        Some((_, Some(n))) => {
+            u16::try_from(n).map_err(|_| invalid(format!("`status` {n} is not an HTTP status")))?
+        }
         Some((other, None)) => {
             return Err(invalid(format!("`status` {other} is not an HTTP status")))
         }

@@ -51,8 +51,9 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
             }
             return Err(key_reused());
         }
-        let replay = ctx.state.store.likely_replay(&ctx.prepared.id);
-        let mut record = match reservation_looks_up(ctx) && !replay {
+        let looks_up =
+            reservation_looks_up(ctx) && !ctx.state.store.likely_replay(&ctx.prepared.id);
+        let mut record = match looks_up {
             true => None,
             false => get(ctx, &ctx.prepared.id).await?,
         };

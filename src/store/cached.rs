@@ -107,7 +107,7 @@ impl Keys for CachedStore {
         self.entries.get(id)
     }
     fn likely_replay(&self, id: &ScopedKey) -> bool {
-        self.entries.stale(id) || self.misses.mostly_replays()
+        self.misses.mostly_replays() || self.entries.stale(id)
     }
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
         let record = self.inner.get(id).await?;
