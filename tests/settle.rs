@@ -28,7 +28,8 @@ async fn upstream() -> RecordingUpstream {
 fn config(upstream: &RecordingUpstream, store: &str) -> String {
     let route = format!("{CHARGES_ROUTE}entity = \"customer:{{body.customer}}\"\n");
     let limits = "release_statuses = [429, 503]\nmax_answer = \"1KiB\"\n";
-    format!("{}\n{store}", api_config(upstream, "", limits, &route))
+    let server = "max_body = \"16KiB\"";
+    format!("{}\n{store}", api_config(upstream, server, limits, &route))
 }
 
 async fn charge(proxy: &TestProxy, key: &str, auth: &str) -> Resp {
@@ -310,6 +311,11 @@ async fn refuses_what_no_upstream_could_answer(proxy: &TestProxy, key: &str) {
             refused.text()
         );
     }
+    // A paste over `server.max_body` (16 KiB here) is refused before it is read whole.
+    let huge = json!({"status": 201, "note": note, "body": "x".repeat(17 << 10)});
+    let refused = admin_post(proxy, &path, &huge).await;
+    assert_eq!(refused.status, 413, "{}", refused.text());
+    assert_eq!(refused.error_type(), Some("body_too_large"));
     let shown = get(&proxy.admin_url(&format!("/admin/keys/{key}")))
         .await
         .json();
