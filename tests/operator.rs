@@ -387,7 +387,7 @@ async fn a_replay_storm_is_counted_whole_in_the_audit_trail() {
     }
     assert_eq!(upstream.count(), 1, "one forward");
 
-    let db = rusqlite::Connection::open(proxy.dir.db_path()).unwrap();
+    let db = rusqlite::Connection::open(proxy.dir.audit_db_path()).unwrap();
     let replayed = || -> (i64, i64) {
         db.query_row(
             "SELECT count(*), coalesce(sum(requests), 0) FROM idem_audit \
@@ -422,7 +422,7 @@ async fn a_request_refused_early_is_audited_with_its_workflow() {
     let decision = refused.error_type().unwrap_or_default().to_owned();
     assert_eq!(refused.status, 400, "{}", refused.text());
     assert_eq!(upstream.count(), 0);
-    let db = rusqlite::Connection::open(proxy.dir.db_path()).unwrap();
+    let db = rusqlite::Connection::open(proxy.dir.audit_db_path()).unwrap();
     let workflow = || -> Option<String> {
         db.query_row(
             "SELECT workflow FROM idem_audit WHERE decision = ?1",

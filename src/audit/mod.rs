@@ -162,6 +162,9 @@ pub async fn retention(
 pub(super) mod tests {
     use crate::store::AuditRow;
 
+    /// A row's life in these tests: a day, as a default retention gives.
+    pub(super) const DAY: i64 = 86_400_000;
+
     pub(super) fn row(key: &str, decision: &str, total_ms: i64) -> AuditRow {
         AuditRow {
             at: total_ms,
@@ -175,7 +178,7 @@ pub(super) mod tests {
             total_ms,
             lock_wait_ms: 0,
             upstream_ms: None,
-            expires_at: total_ms,
+            expires_at: total_ms + DAY,
             requests: 1,
             scope: None,
             workflow: None,

@@ -65,7 +65,7 @@ impl Pending {
         let due = if row.decision == FORWARDED {
             now
         } else {
-            now + HOLD
+            now + hold_for(&row)
         };
         self.rows.push_back((due, row));
     }
@@ -113,6 +113,13 @@ impl Pending {
     }
 }
 
+/// [`HOLD`], or a quarter of the row's life if that is shorter (a retention of seconds): a row
+/// must be readable for most of its life, not written as it expires.
+fn hold_for(row: &AuditRow) -> Duration {
+    let life = u64::try_from(row.expires_at.saturating_sub(row.at)).unwrap_or(0);
+    HOLD.min(Duration::from_millis(life / 4))
+}
+
 /// Two rows of one key that tell the same story but for their times.
 fn alike(a: &AuditRow, b: &AuditRow) -> bool {
     a.decision == b.decision
@@ -126,7 +133,7 @@ fn alike(a: &AuditRow, b: &AuditRow) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{row, story};
+    use super::super::tests::{row, story, DAY};
     use super::*;
 
     /// Every row pushed at one instant, then every row taken.
@@ -161,7 +168,7 @@ mod tests {
         let k = &folded[1];
         assert_eq!(
             (k.at, k.total_ms, k.expires_at),
-            (1, 7, 7),
+            (1, 7, 7 + DAY),
             "first time, slowest, latest"
         );
     }
@@ -217,6 +224,18 @@ mod tests {
         assert_eq!(early[0].key.as_deref(), Some("key-0"));
         assert!(held.take(t0, false, usize::MAX).is_empty());
         assert_eq!(held.take(t0, true, 5).len(), 5, "at most max a take");
+    }
+
+    /// A row whose life is shorter than four [`HOLD`]s is held a quarter of it.
+    #[test]
+    fn a_short_lived_row_is_held_a_quarter_of_its_life() {
+        let (mut held, t0) = (Pending::default(), Instant::now());
+        let short = AuditRow {
+            expires_at: 1_001,
+            ..row("k", "replayed", 1)
+        };
+        held.push(short, t0);
+        assert_eq!(held.next_due(), Some(t0 + Duration::from_millis(250)));
     }
 
     /// A key's forward is due at once, unless rows held ahead of it are not: the order in

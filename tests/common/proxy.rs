@@ -38,6 +38,11 @@ impl TestDir {
         self.dir.path().join("idemproxy.db")
     }
 
+    /// `<dir>/idemproxy.db.audit`: the audit trail's own file.
+    pub fn audit_db_path(&self) -> PathBuf {
+        self.dir.path().join("idemproxy.db.audit")
+    }
+
     /// `sqlite://<dir>/idemproxy.db` (three slashes: the path is absolute).
     pub fn db_url(&self) -> String {
         format!("sqlite://{}", self.db_path().display())

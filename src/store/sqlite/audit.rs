@@ -3,7 +3,7 @@
 use super::*;
 use rusqlite::{params, Connection};
 
-/// The batch's audit rows, inside the writer's transaction, in multi-row inserts of 32, 16, …,
+/// The batch's audit rows, inside the audit thread's transaction, in multi-row inserts of 32, 16, …,
 /// 1 rows (as few statements as the row count has binary digits), each prepared once. A
 /// statement has a fixed cost beyond its rows: setting up the VM, and on `idem_audit`
 /// (AUTOINCREMENT) reading and writing its `sqlite_sequence` row.
@@ -81,7 +81,8 @@ static AUDIT_INSERTS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::ne
         .collect()
 });
 
-/// One small batch of each kind of expired row.
+/// One small batch of each kind of expired row in the main database (the audit file's are
+/// purged by its own thread: see [`super::audit_file`]).
 pub fn purge(conn: &Connection, now: i64, batch: i64, released_before: i64) -> StoreResult<u64> {
     let by_time = [
         // INDEXED BY: without statistics SQLite prefers the state index and walks every
@@ -91,7 +92,6 @@ pub fn purge(conn: &Connection, now: i64, batch: i64, released_before: i64) -> S
           INDEXED BY idem_keys_completed_expiry WHERE state = 'completed' AND expires_at < ?1 LIMIT ?2)", now),
         ("DELETE FROM idem_keys WHERE (upstream, scope, key) IN (SELECT upstream, scope, key FROM idem_keys \
           INDEXED BY idem_keys_released_updated WHERE state = 'released' AND updated_at < ?1 LIMIT ?2)", released_before),
-        ("DELETE FROM idem_audit WHERE id IN (SELECT id FROM idem_audit WHERE expires_at < ?1 LIMIT ?2)", now),
         ("UPDATE idem_entities SET claim_upstream = NULL, claim_scope = NULL, claim_key = NULL, claim_until = NULL \
           WHERE entity IN (SELECT entity FROM idem_entities INDEXED BY idem_entities_claimed \
           WHERE claim_until IS NOT NULL AND claim_until < ?1 LIMIT ?2)", now),
@@ -114,11 +114,7 @@ pub fn purge(conn: &Connection, now: i64, batch: i64, released_before: i64) -> S
 #[async_trait]
 impl AuditLog for SqliteStore {
     async fn append_audit(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
-        self.writer
-            .write_heard(super::engine::job::Heard::Committed, move |ctx| {
-                append_audit(ctx.conn, &rows)
-            })
-            .await
+        self.audit.append(rows).await
     }
     async fn audit_for_entity(&self, entity: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
         let rows = sqlx::query(&format!(
@@ -128,7 +124,7 @@ impl AuditLog for SqliteStore {
         ))
         .bind(entity)
         .bind(limit)
-        .fetch_all(&self.reads)
+        .fetch_all(&self.audit_reads)
         .await?;
         rows.iter().map(rows::audit_row).collect()
     }
@@ -138,7 +134,7 @@ impl AuditLog for SqliteStore {
         ))
         .bind(key)
         .bind(limit)
-        .fetch_all(&self.reads)
+        .fetch_all(&self.audit_reads)
         .await?;
         rows.iter().map(rows::audit_row).collect()
     }
@@ -148,22 +144,25 @@ impl AuditLog for SqliteStore {
              FROM idem_audit WHERE at >= ?1 GROUP BY route, decision, minute ORDER BY minute",
         )
         .bind(since)
-        .fetch_all(&self.reads)
+        .fetch_all(&self.audit_reads)
         .await?;
         rows.iter().map(rows::audit_count).collect()
     }
     async fn purge(&self, batch: i64, released_before: i64) -> StoreResult<u64> {
-        self.writer
+        let main = self
+            .writer
             .write(move |ctx| purge(ctx.conn, ctx.now, batch, released_before))
-            .await
+            .await?;
+        Ok(main + self.audit.purge(now_ms(), batch).await?)
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use crate::store::AuditRow;
 
-    fn row(n: i64) -> AuditRow {
+    /// A row whose fields all differ with `n`, of key `k`.
+    pub fn row(n: i64) -> AuditRow {
         AuditRow {
             at: n,
             upstream: "api".into(),

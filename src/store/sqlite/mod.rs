@@ -6,13 +6,16 @@
 //! batch) — so a reservation is durable before anything is forwarded, yet many concurrent
 //! first writes share one fsync instead of paying one each. Reads run beside the writer (WAL):
 //! the request path's (a key's record, entities' states) on the caller's own thread
-//! ([`reader`]), the operator's on a sqlx pool.
+//! ([`reader`]), the operator's on a sqlx pool. The audit trail is the one exception to the
+//! one writer: it lives in a file of its own, written by a thread of its own ([`audit_file`]),
+//! so its pages never ride in a reservation's `fsync`.
 //!
 //! SQLite serves one `serve` process: with `exclusive`, the store takes an OS lock on
 //! `<db>.lock`, so a second `serve` on the same file refuses to start, and any record still
 //! `in_flight` at start was left by a dead process: it becomes `unknown` at once.
 
 mod audit;
+mod audit_file;
 mod engine;
 mod entities;
 mod keys;
@@ -35,6 +38,9 @@ use super::rows::{
 
 pub struct SqliteStore {
     reads: SqlitePool,
+    /// The audit trail's file and its thread (see [`audit_file`]), and reads of it.
+    audit: audit_file::AuditFile,
+    audit_reads: SqlitePool,
     /// The request path's reads (a key's record, entities' states), on the caller's thread
     /// (see [`reader`]).
     reader: reader::Reader,
@@ -76,6 +82,16 @@ impl SqliteStore {
             .connect_with(opts.clone())
             .await?;
         sqlx::migrate!("migrations/sqlite").run(&reads).await?;
+        let audit = audit_file::AuditFile::open(opts.get_filename())?;
+        let audit_reads = SqlitePoolOptions::new()
+            .max_connections(2)
+            .test_before_acquire(false)
+            .acquire_timeout(Duration::from_secs(5))
+            .connect_with(
+                opts.clone()
+                    .filename(audit_file::path_of(opts.get_filename())),
+            )
+            .await?;
         let conn = writer_connection(opts.get_filename(), cipher.is_some(), exclusive)?;
         let syncer = pipelined_sync(&conn, opts.get_filename())?;
         let writer = Arc::new(Writer::start(conn, cipher.clone(), syncer)?);
@@ -92,6 +108,8 @@ impl SqliteStore {
         Ok(SqliteStore {
             reader: reader::Reader::new(opts.get_filename()),
             reads,
+            audit,
+            audit_reads,
             writer,
             lock,
             db: opts.get_filename().to_owned(),
@@ -291,5 +309,6 @@ impl Store for SqliteStore {
         // Queued writes run first; then the writer stops.
         self.writer.close().await;
         self.reads.close().await;
+        self.audit_reads.close().await;
     }
 }
