@@ -21,9 +21,7 @@ use tokio::sync::oneshot;
 
 /// The audit file beside a database: `<db>.audit` (its WAL is `<db>.audit-wal`).
 pub fn path_of(db: &std::path::Path) -> std::path::PathBuf {
-    let mut path = db.as_os_str().to_owned();
-    path.push(".audit");
-    path.into()
+    beside(db, ".audit")
 }
 
 enum Job {
@@ -52,7 +50,6 @@ impl AuditFile {
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "temp_store", "MEMORY")?;
         conn.set_prepared_statement_cache_capacity(16);
-        conn.execute_batch(SCHEMA)?;
         move_old_rows(&conn, db)?;
         let (jobs, queue) = mpsc::channel();
         std::thread::Builder::new()
@@ -86,56 +83,46 @@ impl AuditFile {
     }
 }
 
-/// The columns of the main database's `idem_audit` (its migrations 0003, 0011 and 0013).
-const SCHEMA: &str = "
-CREATE TABLE IF NOT EXISTS idem_audit (
-    id              INTEGER PRIMARY KEY AUTOINCREMENT,
-    at              INTEGER NOT NULL,
-    upstream        TEXT    NOT NULL,
-    route           TEXT    NOT NULL,
-    entities        TEXT    NOT NULL DEFAULT '[]',
-    key             TEXT,
-    fingerprint     TEXT,
-    decision        TEXT    NOT NULL,
-    upstream_status INTEGER,
-    total_ms        INTEGER NOT NULL,
-    lock_wait_ms    INTEGER NOT NULL DEFAULT 0,
-    upstream_ms     INTEGER,
-    expires_at      INTEGER NOT NULL,
-    requests        INTEGER NOT NULL DEFAULT 1,
-    scope           TEXT,
-    workflow        TEXT,
-    note            TEXT
-);
-CREATE INDEX IF NOT EXISTS idem_audit_key ON idem_audit (key);
-CREATE INDEX IF NOT EXISTS idem_audit_expires ON idem_audit (expires_at);
-";
-
-const COLUMNS: &str =
-    "id, at, upstream, route, entities, key, fingerprint, decision, upstream_status, \
-     total_ms, lock_wait_ms, upstream_ms, expires_at, requests, scope, workflow, note";
-
-/// Moves the rows of the main database's `idem_audit` (written there before the trail had a
-/// file of its own) into this file, ids kept. The copy and the delete are two files' commits,
-/// which SQLite does not make atomic together: a crash between them leaves the rows in both,
-/// and the next open copies them again with `OR IGNORE`, by id, then deletes them.
+/// Creates this file's `idem_audit` and its indexes from the main database's (its migrations
+/// define them, so they are written once), checks that both have the same columns, and moves
+/// the main database's rows (written there before the trail had a file of its own) here, ids
+/// kept. The copy and the delete are two files' commits, which SQLite does not make atomic
+/// together: a crash between them leaves the rows in both, and the next open copies them again
+/// with `OR IGNORE`, by id, then deletes them.
 fn move_old_rows(conn: &Connection, db: &std::path::Path) -> StoreResult<()> {
     let db = db
         .to_str()
         .ok_or_else(|| StoreError::File(format!("{} is not a UTF-8 path", db.display())))?;
     conn.execute("ATTACH DATABASE ?1 AS old", params![db])?;
     let moved = (|| -> StoreResult<()> {
+        if columns(conn, "main")?.is_empty() {
+            let mut stmt = conn.prepare(
+                "SELECT sql FROM old.sqlite_master WHERE tbl_name = 'idem_audit' AND sql IS NOT NULL \
+                 ORDER BY type = 'index'",
+            )?;
+            let schema: Vec<String> = stmt
+                .query_map([], |r| r.get(0))?
+                .collect::<Result<_, _>>()?;
+            conn.execute_batch(&format!("BEGIN; {}; COMMIT;", schema.join(";\n")))?;
+        }
+        if columns(conn, "main")? != columns(conn, "old")? {
+            return Err(StoreError::Migration(
+                "the audit file's idem_audit has other columns than the database's: a migration \
+                 changed one and not the other"
+                    .into(),
+            ));
+        }
         let any: bool =
             conn.query_row("SELECT EXISTS (SELECT 1 FROM old.idem_audit)", [], |r| {
                 r.get(0)
             })?;
         if any {
-            conn.execute_batch(&format!(
+            conn.execute_batch(
                 "BEGIN IMMEDIATE; \
-                 INSERT OR IGNORE INTO main.idem_audit ({COLUMNS}) SELECT {COLUMNS} FROM old.idem_audit ORDER BY id; \
+                 INSERT OR IGNORE INTO main.idem_audit SELECT * FROM old.idem_audit ORDER BY id; \
                  DELETE FROM old.idem_audit; \
-                 COMMIT;"
-            ))
+                 COMMIT;",
+            )
             .inspect_err(|_| {
                 let _ = conn.execute_batch("ROLLBACK");
             })?;
@@ -144,6 +131,17 @@ fn move_old_rows(conn: &Connection, db: &std::path::Path) -> StoreResult<()> {
     })();
     conn.execute("DETACH DATABASE old", [])?;
     moved
+}
+
+/// The names of `schema`'s `idem_audit` columns, in order (none if it has no such table).
+fn columns(conn: &Connection, schema: &str) -> StoreResult<Vec<String>> {
+    let mut stmt = conn.prepare(&format!(
+        "SELECT name FROM pragma_table_info('idem_audit', '{schema}')"
+    ))?;
+    let names = stmt
+        .query_map([], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    Ok(names)
 }
 
 /// The thread: each turn takes every job queued, runs them in one transaction and answers each.
@@ -161,29 +159,38 @@ fn run(conn: Connection, queue: mpsc::Receiver<Job>) {
     }
 }
 
-/// Runs `jobs` in one transaction: each one's result, or the commit's error for all.
+/// Runs `jobs` in one transaction, each under a savepoint of its own (a job that fails leaves
+/// nothing behind, so rows counted as dropped were not stored): each one's result, or the
+/// commit's error for all.
 fn write(conn: &Connection, jobs: &[Job]) -> Vec<StoreResult<u64>> {
-    let tx = match conn.unchecked_transaction() {
+    let mut tx = match conn.unchecked_transaction() {
         Ok(tx) => tx,
         Err(e) => return failed(jobs, e.into()),
     };
-    let each: Vec<StoreResult<u64>> = jobs
-        .iter()
-        .map(|job| match job {
-            Job::Append(rows, _) => append_audit(&tx, rows).map(|_| rows.len() as u64),
-            Job::Purge { before, batch, .. } => tx
-                .prepare_cached(
-                    "DELETE FROM idem_audit WHERE id IN \
-                     (SELECT id FROM idem_audit WHERE expires_at < ?1 LIMIT ?2)",
-                )
-                .and_then(|mut stmt| stmt.execute(params![before, batch]))
-                .map(|n| n as u64)
-                .map_err(Into::into),
-        })
-        .collect();
+    let mut each = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        each.push(tx.savepoint().map_err(Into::into).and_then(|sp| {
+            let done = run_job(&sp, job)?;
+            sp.commit()?;
+            Ok(done)
+        }));
+    }
     match tx.commit() {
         Ok(()) => each,
         Err(e) => failed(jobs, e.into()),
+    }
+}
+
+fn run_job(conn: &Connection, job: &Job) -> StoreResult<u64> {
+    match job {
+        Job::Append(rows, _) => append_audit(conn, rows).map(|_| rows.len() as u64),
+        Job::Purge { before, batch, .. } => Ok(conn
+            .prepare_cached(
+                "DELETE FROM idem_audit WHERE id IN \
+                 (SELECT id FROM idem_audit WHERE expires_at < ?1 LIMIT ?2)",
+            )?
+            .execute(params![before, batch])?
+            as u64),
     }
 }
 
@@ -220,8 +227,8 @@ mod tests {
         audit
             .execute("ATTACH DATABASE ?1 AS old", params![db.to_str().unwrap()])
             .unwrap();
-        let copy = format!("INSERT INTO main.idem_audit ({COLUMNS}) SELECT {COLUMNS} FROM old.idem_audit WHERE id <= 3");
-        assert_eq!(audit.execute(&copy, []).unwrap(), 3);
+        let copy = "INSERT INTO main.idem_audit SELECT * FROM old.idem_audit WHERE id <= 3";
+        assert_eq!(audit.execute(copy, []).unwrap(), 3);
         drop(audit);
 
         let store = open(&db).await;
@@ -239,5 +246,27 @@ mod tests {
         assert_eq!(store.audit_for_key("k", 1).await.unwrap(), vec![row(9)]);
         assert_eq!(in_main(), 0, "new rows go to the audit file");
         store.close().await;
+    }
+
+    /// A migration that changes the database's `idem_audit` and not the audit file's stops the
+    /// store from opening, rather than writing rows into the wrong columns.
+    #[tokio::test]
+    async fn an_audit_file_with_other_columns_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("a.db");
+        let store = open(&db).await;
+        store.close().await;
+        drop(store);
+        Connection::open(&db)
+            .unwrap()
+            .execute("ALTER TABLE idem_audit ADD COLUMN extra TEXT", [])
+            .unwrap();
+        let url = format!("sqlite://{}", db.display());
+        let refused = crate::store::open(&url, Duration::from_secs(30), true, None).await;
+        assert!(
+            matches!(refused, Err(StoreError::Migration(_))),
+            "{:?}",
+            refused.err()
+        );
     }
 }

@@ -251,8 +251,13 @@ fn owner_only(db: &std::path::Path) -> StoreResult<()> {
 }
 
 fn lock_path(db: &std::path::Path) -> std::path::PathBuf {
+    beside(db, ".lock")
+}
+
+/// The file named as `db` with `suffix` appended (`<db>.lock`, `<db>.audit`).
+fn beside(db: &std::path::Path, suffix: &str) -> std::path::PathBuf {
     let mut path = db.as_os_str().to_owned();
-    path.push(".lock");
+    path.push(suffix);
     path.into()
 }
 
