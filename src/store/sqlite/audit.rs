@@ -6,7 +6,9 @@ use rusqlite::{params, Connection};
 /// The batch's audit rows, inside the audit thread's transaction, in multi-row inserts of 32, 16, …,
 /// 1 rows (as few statements as the row count has binary digits), each prepared once. A
 /// statement has a fixed cost beyond its rows: setting up the VM, and on `idem_audit`
-/// (AUTOINCREMENT) reading and writing its `sqlite_sequence` row.
+/// (AUTOINCREMENT) reading and writing its `sqlite_sequence` row. `OR FAIL`: a multi-row
+/// statement that may abort halfway makes SQLite journal every page it changes, so that it can
+/// undo its own rows; the caller rolls back the whole transaction on any error instead.
 pub fn append_audit(conn: &Connection, rows: &[AuditRow]) -> StoreResult<()> {
     let mut rest = rows;
     while let Some((&n, sql)) = AUDIT_CHUNKS
@@ -72,7 +74,7 @@ static AUDIT_INSERTS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::ne
                 })
                 .collect();
             format!(
-                "INSERT INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, \
+                "INSERT OR FAIL INTO idem_audit (at, upstream, route, entities, key, fingerprint, decision, \
                  upstream_status, total_ms, lock_wait_ms, upstream_ms, expires_at, requests, scope, workflow, \
                  note) VALUES {}",
                 rows.join(", ")

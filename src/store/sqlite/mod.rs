@@ -120,6 +120,18 @@ impl SqliteStore {
     }
 }
 
+/// A connection that writes each commit's WAL frames in one call (see [`walbuf`]), or a plain
+/// one if that VFS cannot register: for the connections that write (the writer's, the audit
+/// file's).
+fn open_gathering(db: &std::path::Path) -> StoreResult<rusqlite::Connection> {
+    Ok(match walbuf::register() {
+        Some(vfs) => {
+            rusqlite::Connection::open_with_flags_and_vfs(db, rusqlite::OpenFlags::default(), vfs)?
+        }
+        None => rusqlite::Connection::open(db)?,
+    })
+}
+
 /// The writer's own connection (`rusqlite`, on the same SQLite library as the read pool): WAL,
 /// `synchronous = FULL` until [`pipelined_sync`] takes the sync over.
 fn writer_connection(
@@ -132,13 +144,7 @@ fn writer_connection(
             "the SQLite store needs a database file (an in-memory database is not durable)".into(),
         ));
     }
-    // Each commit's WAL frames in one write (see [`walbuf`]); the plain VFS if it cannot register.
-    let conn = match walbuf::register() {
-        Some(vfs) => {
-            rusqlite::Connection::open_with_flags_and_vfs(db, rusqlite::OpenFlags::default(), vfs)?
-        }
-        None => rusqlite::Connection::open(db)?,
-    };
+    let conn = open_gathering(db)?;
     conn.busy_timeout(Duration::from_secs(5))?;
     conn.set_prepared_statement_cache_capacity(64);
     conn.pragma_update(None, "journal_mode", "WAL")?;
