@@ -57,7 +57,7 @@ pub fn append_audit(conn: &Connection, rows: &[AuditRow]) -> StoreResult<()> {
 }
 
 /// Rows per multi-row insert, largest first; the last is 1, so every row finds a statement.
-const AUDIT_CHUNKS: [usize; 6] = [32, 16, 8, 4, 2, 1];
+pub(super) const AUDIT_CHUNKS: [usize; 6] = [32, 16, 8, 4, 2, 1];
 const AUDIT_FIELDS: usize = 16;
 
 /// One insert text per entry of [`AUDIT_CHUNKS`].
