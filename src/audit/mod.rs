@@ -1,9 +1,9 @@
 //! The audit trail and retention, both off the request path.
 //!
 //! A request's context becomes one audit row when it ends (see `pipeline::Outcome`). Rows go to
-//! the [`Auditor`], a background task that holds them for a second, folding each key's alike
-//! requests into one row ([`pending`]), and writes them in batches (on SQLite they join the
-//! writer's group commit), so auditing adds no store round trip to a request. The
+//! the [`Auditor`], a background task on a thread of its own that holds them for a second,
+//! folding each key's alike requests into one row ([`pending`]), and writes them in batches (on
+//! SQLite to the trail's own file), so auditing adds no store round trip to a request. The
 //! [`retention`] task purges expired keys, claims and audit rows in small batches.
 
 use crate::metrics::Stats;
@@ -32,14 +32,24 @@ pub struct Auditor {
 }
 
 impl Auditor {
-    /// Starts the writer task; after `stop` is cancelled it writes what is queued and ends.
+    /// Starts the writer task; after `stop` is cancelled (or every sender is gone) it writes
+    /// what is queued and ends.
+    ///
+    /// The task runs on a thread of its own (from the runtime's blocking pool), not on a
+    /// worker that serves connections: each turn folds some hundreds of rows in one go, and on
+    /// a worker the connections behind it waited for the turn to end. On its own thread the
+    /// scheduler lets a woken serving thread in. Replays of keys drawn from 10k, 8
+    /// connections, Intel host, five alternated pairs: p99 0.94–1.10 against 1.09–1.29 ms; first
+    /// writes at 8 connections 0.999 ± 0.049 req/s, CPU 1.048 ± 0.048 (6 pairs).
     pub fn start(
         store: Arc<dyn Store>,
         stats: Arc<Stats>,
         stop: CancellationToken,
     ) -> (Auditor, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel(QUEUE);
-        let task = tokio::spawn(write_rows(store, stats.clone(), rx, stop));
+        let runtime = tokio::runtime::Handle::current();
+        let writer = write_rows(store, stats.clone(), rx, stop);
+        let task = tokio::task::spawn_blocking(move || runtime.block_on(writer));
         (Auditor { tx, stats }, task)
     }
 
