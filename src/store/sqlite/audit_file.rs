@@ -31,9 +31,12 @@ enum Job {
         batch: i64,
         done: oneshot::Sender<StoreResult<u64>>,
     },
+    /// The jobs queued before it are written; then the thread closes the file and ends.
+    Close(oneshot::Sender<()>),
 }
 
-/// The sending side of the audit thread; dropped, the thread writes what is queued and ends.
+/// The sending side of the audit thread; closed (or dropped), the thread writes what is
+/// queued and ends.
 pub struct AuditFile {
     jobs: mpsc::Sender<Job>,
 }
@@ -76,6 +79,15 @@ impl AuditFile {
             done,
         })?;
         heard.await.unwrap_or(Err(StoreError::Closed))
+    }
+
+    /// Writes what is queued, closes the file and ends the thread; a later append or purge is
+    /// refused with [`StoreError::Closed`], as the writer's are.
+    pub async fn close(&self) {
+        let (done, closed) = oneshot::channel();
+        if self.send(Job::Close(done)).is_ok() {
+            let _ = closed.await;
+        }
     }
 
     fn send(&self, job: Job) -> StoreResult<()> {
@@ -144,17 +156,33 @@ fn columns(conn: &Connection, schema: &str) -> StoreResult<Vec<String>> {
     Ok(names)
 }
 
-/// The thread: each turn takes every job queued, runs them in one transaction and answers each.
+/// The thread: each turn takes every job queued up to a `Close`, runs them in one transaction
+/// and answers each. Jobs queued after a `Close` are dropped unanswered: their callers hear
+/// [`StoreError::Closed`].
 fn run(conn: Connection, queue: mpsc::Receiver<Job>) {
     while let Ok(first) = queue.recv() {
-        let mut jobs = vec![first];
-        jobs.extend(queue.try_iter().take(255));
+        let (mut jobs, mut close) = (Vec::new(), None);
+        for job in std::iter::once(first).chain(queue.try_iter().take(255)) {
+            match job {
+                Job::Close(tell) => {
+                    close = Some(tell);
+                    break;
+                }
+                job => jobs.push(job),
+            }
+        }
         let done = write(&conn, &jobs);
         for (job, done) in jobs.into_iter().zip(done) {
             match job {
                 Job::Append(_, tell) => drop(tell.send(done.map(|_| ()))),
                 Job::Purge { done: tell, .. } => drop(tell.send(done)),
+                Job::Close(_) => {}
             }
+        }
+        if let Some(tell) = close {
+            drop(conn);
+            let _ = tell.send(());
+            return;
         }
     }
 }
@@ -197,6 +225,7 @@ fn run_job(conn: &Connection, job: &Job) -> StoreResult<u64> {
             }
             Ok(rows.len() as u64)
         }
+        Job::Close(_) => Ok(0),
         Job::Purge { before, batch, .. } => Ok(conn
             .prepare_cached(
                 "DELETE FROM idem_audit WHERE id IN \
@@ -224,15 +253,28 @@ mod tests {
             .unwrap()
     }
 
+    /// A database in `dir` whose store was opened once (migrations run, audit file made) and
+    /// closed.
+    async fn made(dir: &tempfile::TempDir) -> std::path::PathBuf {
+        let db = dir.path().join("a.db");
+        open(&db).await.close().await;
+        db
+    }
+
+    /// The rows in the audit file beside `db`.
+    fn stored(db: &std::path::Path) -> i64 {
+        Connection::open(path_of(db))
+            .unwrap()
+            .query_row("SELECT count(*) FROM idem_audit", [], |r| r.get(0))
+            .unwrap()
+    }
+
     /// Rows an earlier release wrote into the main database come back from the audit file, each
     /// once and in order, even when a crash had copied some of them without deleting them.
     #[tokio::test]
     async fn rows_left_in_the_database_move_to_the_audit_file_once() {
         let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("a.db");
-        let store = open(&db).await;
-        store.close().await;
-        drop(store);
+        let db = made(&dir).await;
         let rows: Vec<AuditRow> = (0..5).map(row).collect();
         append_audit(&Connection::open(&db).unwrap(), &rows).unwrap();
         // The first three were copied, and the process died before it deleted them.
@@ -267,8 +309,7 @@ mod tests {
     #[tokio::test]
     async fn a_failed_job_fails_its_whole_turn_and_stores_nothing() {
         let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("a.db");
-        open(&db).await.close().await;
+        let db = made(&dir).await;
         let conn = Connection::open(path_of(&db)).unwrap();
         conn.execute_batch(
             "CREATE TEMP TRIGGER refuse BEFORE INSERT ON idem_audit WHEN NEW.at = 7 \
@@ -280,12 +321,23 @@ mod tests {
         let bad = append((5..9).map(row).collect());
         let done = write(&conn, &[good, bad]);
         assert!(done.iter().all(Result::is_err), "{done:?}");
-        let stored: i64 = conn
-            .query_row("SELECT count(*) FROM idem_audit", [], |r| r.get(0))
-            .unwrap();
-        assert_eq!(stored, 0);
+        assert_eq!(stored(&db), 0);
         let fine = write(&conn, &[append((0..5).map(row).collect())]);
         assert!(matches!(fine[..], [Ok(5)]), "{fine:?}");
+    }
+
+    /// A closed store's trail has written what it was given before, and refuses more as the
+    /// writer does, rather than writing after the store said it was closed.
+    #[tokio::test]
+    async fn a_closed_trail_keeps_what_came_before_and_refuses_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = made(&dir).await;
+        let store = open(&db).await;
+        store.append_audit((0..3).map(row).collect()).await.unwrap();
+        store.close().await;
+        let late = store.append_audit(vec![row(3)]).await;
+        assert!(matches!(late, Err(StoreError::Closed)), "{late:?}");
+        assert_eq!(stored(&db), 3);
     }
 
     /// A migration that changes the database's `idem_audit` and not the audit file's stops the
@@ -293,10 +345,7 @@ mod tests {
     #[tokio::test]
     async fn an_audit_file_with_other_columns_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("a.db");
-        let store = open(&db).await;
-        store.close().await;
-        drop(store);
+        let db = made(&dir).await;
         Connection::open(&db)
             .unwrap()
             .execute("ALTER TABLE idem_audit ADD COLUMN extra TEXT", [])

@@ -320,6 +320,7 @@ impl Store for SqliteStore {
         // Queued writes run first; then the writer stops.
         self.writer.close().await;
         self.reads.close().await;
+        self.audit.close().await;
         self.audit_reads.close().await;
     }
 }
