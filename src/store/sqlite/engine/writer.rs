@@ -136,7 +136,14 @@ impl Writer {
         F: FnOnce(&Tx) -> StoreResult<T> + Send + 'static,
     {
         let (reply, rx) = oneshot::channel();
-        let job: Job = Box::new(move |ctx| deliver(move |res| drop(reply.send(res)), f(ctx)));
+        let inbox = super::inbox::Inbox::current();
+        let job: Job = Box::new(move |ctx| {
+            let reply = deliver(move |res| drop(reply.send(res)), f(ctx));
+            match inbox {
+                Some(inbox) => inbox.deliver(reply),
+                None => reply,
+            }
+        });
         self.tx
             .send_async(Msg::Job(job, heard))
             .await
