@@ -25,8 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-/// Called once the commit it belongs to is durable (`None`) or cannot be (`Some(why)`).
-pub type Delivery = Box<dyn FnOnce(Option<&str>) + Send>;
+use super::inbox::Delivery;
 
 /// Replies waiting for the next `fdatasync`, whether one is under way, and whether the store
 /// is closing.
@@ -120,7 +119,7 @@ impl Syncer {
                 .dirty = false;
             let failure = sync(&self.wal, &self.poisoned);
             for d in done {
-                d(failure.as_deref());
+                d.send(failure.as_deref());
             }
             return;
         }
@@ -232,7 +231,7 @@ fn run(wal: &File, shared: &(Mutex<Queue>, Condvar), poisoned: &AtomicBool) {
             // Everything queued was committed before this call begins, so it covers them all.
             let failure = sync(wal, poisoned);
             for d in batch {
-                d(failure.as_deref());
+                d.send(failure.as_deref());
             }
             let mut q = lock.lock().unwrap_or_else(|p| p.into_inner());
             q.syncing = false;
@@ -251,9 +250,9 @@ mod tests {
 
     fn reply(tx: &mpsc::Sender<Option<String>>) -> Delivery {
         let tx = tx.clone();
-        Box::new(move |failure| {
+        Delivery::here(Box::new(move |failure| {
             let _ = tx.send(failure.map(str::to_owned));
-        })
+        }))
     }
 
     #[test]

@@ -13,8 +13,8 @@
 //! An inbox whose task is gone (its runtime shut down) sends what it is given at once, as the
 //! store did without one, so no reply waits on a runtime that no longer runs.
 
-use super::durable::Delivery;
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::runtime::{Handle, Id};
 use tokio::sync::Notify;
@@ -24,21 +24,48 @@ thread_local! {
     static CURRENT: RefCell<Option<(Id, Arc<Inbox>)>> = const { RefCell::new(None) };
 }
 
+/// What a write's caller is told once its commit is durable (`None`) or cannot be (`Some(why)`).
+pub type Reply = Box<dyn FnOnce(Option<&str>) + Send>;
+
+/// A reply, and where it is sent from: its caller's runtime's inbox, or the store's thread
+/// that delivers it.
+pub struct Delivery {
+    reply: Reply,
+    inbox: Option<Arc<Inbox>>,
+}
+
+impl Delivery {
+    /// `reply`, sent from the thread that delivers it.
+    pub fn here(reply: Reply) -> Delivery {
+        Delivery { reply, inbox: None }
+    }
+
+    /// This delivery, sent from `inbox`'s runtime when there is one.
+    pub fn via(self, inbox: Option<Arc<Inbox>>) -> Delivery {
+        Delivery { inbox, ..self }
+    }
+
+    /// Tells the caller: at once, or queued in its runtime's inbox.
+    pub fn send(self, failure: Option<&str>) {
+        match self.inbox {
+            Some(inbox) => inbox.queue(self.reply, failure),
+            None => (self.reply)(failure),
+        }
+    }
+}
+
 /// Replies queued for one runtime, and the wake-up of the task that sends them.
 #[derive(Default)]
 pub struct Inbox {
-    queue: Mutex<Queue>,
+    replies: Mutex<Vec<(Reply, Option<Arc<str>>)>>,
+    /// The task is gone: replies are sent where they are given. Set and read under the lock
+    /// of `replies` wherever a reply could be left behind by a race; read without it to pick
+    /// an inbox.
+    closed: AtomicBool,
     ready: Notify,
-    /// Batches its task has sent (what tests count wake-ups by).
+    /// Times the task was woken (what tests count).
     #[cfg(test)]
-    turns: std::sync::atomic::AtomicUsize,
-}
-
-#[derive(Default)]
-struct Queue {
-    replies: Vec<(Delivery, Option<Arc<str>>)>,
-    /// The task is gone: replies are sent where they are given.
-    closed: bool,
+    wakes: std::sync::atomic::AtomicUsize,
 }
 
 impl Inbox {
@@ -50,7 +77,7 @@ impl Inbox {
         CURRENT.with(|cur| {
             let mut cur = cur.borrow_mut();
             if let Some((at, inbox)) = cur.as_ref() {
-                if *at == id && !inbox.is_closed() {
+                if *at == id && !inbox.closed.load(Ordering::Acquire) {
                     return Some(inbox.clone());
                 }
             }
@@ -61,31 +88,24 @@ impl Inbox {
         })
     }
 
-    /// `reply`, to be delivered on this inbox's runtime with `failure`.
-    pub fn deliver(self: Arc<Self>, reply: Delivery) -> Delivery {
-        Box::new(move |failure: Option<&str>| self.queue(reply, failure.map(Arc::from)))
-    }
-
-    fn queue(&self, reply: Delivery, failure: Option<Arc<str>>) {
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        if q.closed {
+    fn queue(&self, reply: Reply, failure: Option<&str>) {
+        let mut q = self.replies.lock().unwrap_or_else(|p| p.into_inner());
+        if self.closed.load(Ordering::Acquire) {
             drop(q);
-            return reply(failure.as_deref());
+            return reply(failure);
         }
-        let was_empty = q.replies.is_empty();
-        q.replies.push((reply, failure));
+        let was_empty = q.is_empty();
+        q.push((reply, failure.map(Arc::from)));
         drop(q);
         if was_empty {
+            #[cfg(test)]
+            self.wakes.fetch_add(1, Ordering::Relaxed);
             self.ready.notify_one();
         }
     }
 
-    fn is_closed(&self) -> bool {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).closed
-    }
-
-    fn take(&self) -> Vec<(Delivery, Option<Arc<str>>)> {
-        std::mem::take(&mut self.queue.lock().unwrap_or_else(|p| p.into_inner()).replies)
+    fn take(&self) -> Vec<(Reply, Option<Arc<str>>)> {
+        std::mem::take(&mut *self.replies.lock().unwrap_or_else(|p| p.into_inner()))
     }
 }
 
@@ -97,10 +117,6 @@ impl Sender {
     async fn run(self) {
         loop {
             self.0.ready.notified().await;
-            #[cfg(test)]
-            self.0
-                .turns
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             for (reply, failure) in self.0.take() {
                 reply(failure.as_deref());
             }
@@ -111,9 +127,9 @@ impl Sender {
 impl Drop for Sender {
     fn drop(&mut self) {
         let left = {
-            let mut q = self.0.queue.lock().unwrap_or_else(|p| p.into_inner());
-            q.closed = true;
-            std::mem::take(&mut q.replies)
+            let mut q = self.0.replies.lock().unwrap_or_else(|p| p.into_inner());
+            self.0.closed.store(true, Ordering::Release);
+            std::mem::take(&mut *q)
         };
         for (reply, failure) in left {
             reply(failure.as_deref());
@@ -124,7 +140,6 @@ impl Drop for Sender {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::Ordering;
     use tokio::sync::oneshot;
 
     fn runtime() -> tokio::runtime::Runtime {
@@ -137,8 +152,10 @@ mod tests {
     /// A reply that sends `n` on a oneshot, delivered through `inbox`.
     fn reply(inbox: &Arc<Inbox>, n: u32) -> (Delivery, oneshot::Receiver<(u32, Option<String>)>) {
         let (tx, rx) = oneshot::channel();
-        let d: Delivery = Box::new(move |f: Option<&str>| drop(tx.send((n, f.map(str::to_owned)))));
-        (inbox.clone().deliver(d), rx)
+        let d = Delivery::here(Box::new(move |f: Option<&str>| {
+            drop(tx.send((n, f.map(str::to_owned))))
+        }));
+        (d.via(Some(inbox.clone())), rx)
     }
 
     #[test]
@@ -151,7 +168,7 @@ mod tests {
         // Delivered from another thread while the runtime is not running, as the syncer does.
         std::thread::spawn(move || {
             for (i, d) in replies.into_iter().enumerate() {
-                d((i == 2).then_some("disk full"));
+                d.send((i == 2).then_some("disk full"));
             }
         })
         .join()
@@ -171,7 +188,11 @@ mod tests {
             got,
             vec![(0, None), (1, None), (2, Some("disk full".to_owned()))]
         );
-        assert_eq!(inbox.turns.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            inbox.wakes.load(Ordering::Relaxed),
+            1,
+            "one wake for the three"
+        );
     }
 
     #[test]
@@ -179,12 +200,12 @@ mod tests {
         let rt = runtime();
         let inbox = rt.block_on(async { Inbox::current().unwrap() });
         let (queued, rx_queued) = reply(&inbox, 1);
-        queued(None);
+        queued.send(None);
         drop(rt);
         // Queued before the runtime went: sent as its task was dropped.
         assert_eq!(rx_queued.blocking_recv().unwrap(), (1, None));
         let (late, rx_late) = reply(&inbox, 2);
-        late(None);
+        late.send(None);
         assert_eq!(rx_late.blocking_recv().unwrap(), (2, None));
         // A new runtime on this thread gets an inbox of its own.
         let rt = runtime();

@@ -2,7 +2,7 @@
 //! by the writer, the outcomes waiting for it (`deferred`) and the tables' writes (`keys`,
 //! `audit`), so none of them depends on another for these.
 
-use super::durable::Delivery;
+use super::inbox::Delivery;
 use crate::store::{StoreError, StoreResult};
 use rusqlite::Connection;
 
@@ -20,12 +20,12 @@ pub(super) fn deliver<T: Send + 'static>(
     to: impl FnOnce(StoreResult<T>) + Send + 'static,
     res: StoreResult<T>,
 ) -> Delivery {
-    Box::new(move |failure: Option<&str>| {
+    Delivery::here(Box::new(move |failure: Option<&str>| {
         to(match failure {
             Some(msg) => Err(StoreError::Unavailable(msg.to_owned())),
             None => res,
         })
-    })
+    }))
 }
 
 /// One write, run in the batch's transaction; what it returns is delivered after the commit.

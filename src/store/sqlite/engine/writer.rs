@@ -137,13 +137,8 @@ impl Writer {
     {
         let (reply, rx) = oneshot::channel();
         let inbox = super::inbox::Inbox::current();
-        let job: Job = Box::new(move |ctx| {
-            let reply = deliver(move |res| drop(reply.send(res)), f(ctx));
-            match inbox {
-                Some(inbox) => inbox.deliver(reply),
-                None => reply,
-            }
-        });
+        let job: Job =
+            Box::new(move |ctx| deliver(move |res| drop(reply.send(res)), f(ctx)).via(inbox));
         self.tx
             .send_async(Msg::Job(job, heard))
             .await

@@ -3,7 +3,8 @@
 
 use super::{Heard, Job, Linger, Msg, Tx, MAX_BATCH};
 use crate::store::sqlite::engine::deferred::Deferred;
-use crate::store::sqlite::engine::durable::{Delivery, Syncer};
+use crate::store::sqlite::engine::durable::Syncer;
+use crate::store::sqlite::engine::inbox::Delivery;
 use crate::store::sqlite::engine::pace::{Pace, Ran};
 use crate::store::SharedCipher;
 use rusqlite::Connection;
@@ -228,7 +229,7 @@ fn run_batch(ctx: &Tx, jobs: Vec<(Job, Heard)>, mut batch: Batch) -> Ran {
         (Some(s), None) => {
             let lazy = !committed.is_empty();
             for d in committed {
-                d(None);
+                d.send(None);
             }
             match done.is_empty() {
                 true if lazy => s.sync_soon(),
@@ -238,7 +239,7 @@ fn run_batch(ctx: &Tx, jobs: Vec<(Job, Heard)>, mut batch: Batch) -> Ran {
         }
         _ => {
             for d in done.into_iter().chain(committed) {
-                d(failure.as_deref());
+                d.send(failure.as_deref());
             }
         }
     }
