@@ -120,7 +120,6 @@ const STANDING_TICK: Duration = Duration::from_secs(1);
 /// write on the connection thread at 64 connections. With this one pending, it costs none.
 async fn standing_timer() {
     let mut tick = tokio::time::interval(STANDING_TICK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
     }

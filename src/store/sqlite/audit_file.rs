@@ -31,6 +31,11 @@ enum Job {
         batch: i64,
         done: oneshot::Sender<StoreResult<u64>>,
     },
+}
+
+/// What the thread is sent: a job, or the word to stop.
+enum Msg {
+    Job(Job),
     /// The jobs queued before it are written; then the thread closes the file and ends.
     Close(oneshot::Sender<()>),
 }
@@ -38,7 +43,7 @@ enum Job {
 /// The sending side of the audit thread; closed (or dropped), the thread writes what is
 /// queued and ends.
 pub struct AuditFile {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Msg>,
 }
 
 impl AuditFile {
@@ -66,18 +71,18 @@ impl AuditFile {
     /// on disk.
     pub async fn append(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
         let (done, heard) = oneshot::channel();
-        self.send(Job::Append(rows, done))?;
+        self.send(Msg::Job(Job::Append(rows, done)))?;
         heard.await.unwrap_or(Err(StoreError::Closed))
     }
 
     /// Deletes up to `batch` rows that expired before `before`.
     pub async fn purge(&self, before: i64, batch: i64) -> StoreResult<u64> {
         let (done, heard) = oneshot::channel();
-        self.send(Job::Purge {
+        self.send(Msg::Job(Job::Purge {
             before,
             batch,
             done,
-        })?;
+        }))?;
         heard.await.unwrap_or(Err(StoreError::Closed))
     }
 
@@ -85,13 +90,13 @@ impl AuditFile {
     /// refused with [`StoreError::Closed`], as the writer's are.
     pub async fn close(&self) {
         let (done, closed) = oneshot::channel();
-        if self.send(Job::Close(done)).is_ok() {
+        if self.send(Msg::Close(done)).is_ok() {
             let _ = closed.await;
         }
     }
 
-    fn send(&self, job: Job) -> StoreResult<()> {
-        self.jobs.send(job).map_err(|_| StoreError::Closed)
+    fn send(&self, msg: Msg) -> StoreResult<()> {
+        self.jobs.send(msg).map_err(|_| StoreError::Closed)
     }
 }
 
@@ -159,16 +164,16 @@ fn columns(conn: &Connection, schema: &str) -> StoreResult<Vec<String>> {
 /// The thread: each turn takes every job queued up to a `Close`, runs them in one transaction
 /// and answers each. Jobs queued after a `Close` are dropped unanswered: their callers hear
 /// [`StoreError::Closed`].
-fn run(conn: Connection, queue: mpsc::Receiver<Job>) {
+fn run(conn: Connection, queue: mpsc::Receiver<Msg>) {
     while let Ok(first) = queue.recv() {
         let (mut jobs, mut close) = (Vec::new(), None);
-        for job in std::iter::once(first).chain(queue.try_iter().take(255)) {
-            match job {
-                Job::Close(tell) => {
+        for msg in std::iter::once(first).chain(queue.try_iter().take(255)) {
+            match msg {
+                Msg::Job(job) => jobs.push(job),
+                Msg::Close(tell) => {
                     close = Some(tell);
                     break;
                 }
-                job => jobs.push(job),
             }
         }
         let done = write(&conn, &jobs);
@@ -176,7 +181,6 @@ fn run(conn: Connection, queue: mpsc::Receiver<Job>) {
             match job {
                 Job::Append(_, tell) => drop(tell.send(done.map(|_| ()))),
                 Job::Purge { done: tell, .. } => drop(tell.send(done)),
-                Job::Close(_) => {}
             }
         }
         if let Some(tell) = close {
@@ -225,7 +229,6 @@ fn run_job(conn: &Connection, job: &Job) -> StoreResult<u64> {
             }
             Ok(rows.len() as u64)
         }
-        Job::Close(_) => Ok(0),
         Job::Purge { before, batch, .. } => Ok(conn
             .prepare_cached(
                 "DELETE FROM idem_audit WHERE id IN \
