@@ -131,13 +131,11 @@ impl AuditLog for SqliteStore {
         rows.iter().map(rows::audit_row).collect()
     }
     async fn audit_for_key(&self, key: &str, limit: i64) -> StoreResult<Vec<AuditRow>> {
-        let rows = sqlx::query(&format!(
-            "SELECT {AUDIT_COLUMNS} FROM idem_audit WHERE key = ? ORDER BY id DESC LIMIT ?"
-        ))
-        .bind(key)
-        .bind(limit)
-        .fetch_all(&self.audit_reads)
-        .await?;
+        let rows = sqlx::query(&super::audit_index::by_key(AUDIT_COLUMNS))
+            .bind(key)
+            .bind(limit)
+            .fetch_all(&self.audit_reads)
+            .await?;
         rows.iter().map(rows::audit_row).collect()
     }
     async fn audit_counts(&self, since: i64) -> StoreResult<Vec<AuditCount>> {

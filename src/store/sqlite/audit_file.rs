@@ -14,6 +14,7 @@
 //! (see [`move_old_rows`]).
 
 use super::audit::{append_audit, AUDIT_CHUNKS};
+use super::audit_index;
 use super::*;
 use rusqlite::{params, Connection};
 use std::sync::mpsc;
@@ -50,6 +51,11 @@ impl AuditFile {
     /// Creates the file and its table if missing, moves rows an earlier release left in the
     /// main database, and starts the thread.
     pub fn open(db: &std::path::Path) -> StoreResult<AuditFile> {
+        AuditFile::merging_every(db, audit_index::MERGE_ROWS)
+    }
+
+    /// [`AuditFile::open`], merging rows into the by-key index once `every` wait after its mark.
+    fn merging_every(db: &std::path::Path, every: u64) -> StoreResult<AuditFile> {
         let path = path_of(db);
         owner_only(&path)?;
         let conn = open_gathering(&path)?;
@@ -58,11 +64,12 @@ impl AuditFile {
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "temp_store", "MEMORY")?;
         conn.set_prepared_statement_cache_capacity(16);
-        move_old_rows(&conn, db)?;
+        let moved = move_old_rows(&conn, db)?;
+        let unindexed = audit_index::prepare(&conn, moved)?;
         let (jobs, queue) = mpsc::channel();
         std::thread::Builder::new()
             .name("idemproxy-audit".into())
-            .spawn(move || run(conn, queue))
+            .spawn(move || run(conn, queue, unindexed, every))
             .map_err(|e| StoreError::Unavailable(format!("cannot start the audit thread: {e}")))?;
         Ok(AuditFile { jobs })
     }
@@ -105,13 +112,13 @@ impl AuditFile {
 /// the main database's rows (written there before the trail had a file of its own) here, ids
 /// kept. The copy and the delete are two files' commits, which SQLite does not make atomic
 /// together: a crash between them leaves the rows in both, and the next open copies them again
-/// with `OR IGNORE`, by id, then deletes them.
-fn move_old_rows(conn: &Connection, db: &std::path::Path) -> StoreResult<()> {
+/// with `OR IGNORE`, by id, then deletes them. Returns whether it moved any.
+fn move_old_rows(conn: &Connection, db: &std::path::Path) -> StoreResult<bool> {
     let db = db
         .to_str()
         .ok_or_else(|| StoreError::File(format!("{} is not a UTF-8 path", db.display())))?;
     conn.execute("ATTACH DATABASE ?1 AS old", params![db])?;
-    let moved = (|| -> StoreResult<()> {
+    let moved = (|| -> StoreResult<bool> {
         if columns(conn, "main")?.is_empty() {
             let mut stmt = conn.prepare(
                 "SELECT sql FROM old.sqlite_master WHERE tbl_name = 'idem_audit' AND sql IS NOT NULL \
@@ -144,7 +151,7 @@ fn move_old_rows(conn: &Connection, db: &std::path::Path) -> StoreResult<()> {
                 let _ = conn.execute_batch("ROLLBACK");
             })?;
         }
-        Ok(())
+        Ok(any)
     })();
     conn.execute("DETACH DATABASE old", [])?;
     moved
@@ -162,9 +169,10 @@ fn columns(conn: &Connection, schema: &str) -> StoreResult<Vec<String>> {
 }
 
 /// The thread: each turn takes every job queued up to a `Close`, runs them in one transaction
-/// and answers each. Jobs queued after a `Close` are dropped unanswered: their callers hear
-/// [`StoreError::Closed`].
-fn run(conn: Connection, queue: mpsc::Receiver<Msg>) {
+/// and answers each; then, once `every` rows wait after the by-key index's mark (`unindexed` at
+/// the start), merges them into it. Jobs queued after a `Close` are dropped unanswered: their
+/// callers hear [`StoreError::Closed`].
+fn run(conn: Connection, queue: mpsc::Receiver<Msg>, mut unindexed: u64, every: u64) {
     while let Ok(first) = queue.recv() {
         let (mut jobs, mut close) = (Vec::new(), None);
         for msg in std::iter::once(first).chain(queue.try_iter().take(255)) {
@@ -179,8 +187,18 @@ fn run(conn: Connection, queue: mpsc::Receiver<Msg>) {
         let done = write(&conn, &jobs);
         for (job, done) in jobs.into_iter().zip(done) {
             match job {
-                Job::Append(_, tell) => drop(tell.send(done.map(|_| ()))),
+                Job::Append(_, tell) => {
+                    unindexed += *done.as_ref().unwrap_or(&0);
+                    drop(tell.send(done.map(|_| ())))
+                }
                 Job::Purge { done: tell, .. } => drop(tell.send(done)),
+            }
+        }
+        if unindexed >= every {
+            // A failed merge leaves the rows after the mark, where look-ups still scan them.
+            match audit_index::merge(&conn) {
+                Ok(_) => unindexed = 0,
+                Err(e) => tracing::warn!(error = %e, "cannot index the audit trail by key"),
             }
         }
         if let Some(tell) = close {
@@ -229,13 +247,7 @@ fn run_job(conn: &Connection, job: &Job) -> StoreResult<u64> {
             }
             Ok(rows.len() as u64)
         }
-        Job::Purge { before, batch, .. } => Ok(conn
-            .prepare_cached(
-                "DELETE FROM idem_audit WHERE id IN \
-                 (SELECT id FROM idem_audit WHERE expires_at < ?1 LIMIT ?2)",
-            )?
-            .execute(params![before, batch])?
-            as u64),
+        Job::Purge { before, batch, .. } => audit_index::purge(conn, *before, *batch),
     }
 }
 
@@ -341,6 +353,29 @@ mod tests {
         let late = store.append_audit(vec![row(3)]).await;
         assert!(matches!(late, Err(StoreError::Closed)), "{late:?}");
         assert_eq!(stored(&db), 3);
+    }
+
+    /// The thread merges the rows after the mark into the by-key index once `every` of them
+    /// wait, and not before; a look-up finds every row either way.
+    #[tokio::test]
+    async fn the_thread_indexes_rows_once_enough_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = made(&dir).await;
+        let file = AuditFile::merging_every(&db, 4).unwrap();
+        let indexed = || -> i64 {
+            Connection::open(path_of(&db))
+                .unwrap()
+                .query_row("SELECT count(*) FROM idem_audit_by_key", [], |r| r.get(0))
+                .unwrap()
+        };
+        file.append((0..3).map(row).collect()).await.unwrap();
+        // A job queued later is answered after the turn before it, merge included.
+        file.purge(0, 1).await.unwrap();
+        assert_eq!(indexed(), 0, "3 rows wait, under the 4 that make a merge");
+        file.append((3..5).map(row).collect()).await.unwrap();
+        file.purge(0, 1).await.unwrap();
+        assert_eq!(indexed(), 5);
+        file.close().await;
     }
 
     /// A migration that changes the database's `idem_audit` and not the audit file's stops the

@@ -16,6 +16,7 @@
 
 mod audit;
 mod audit_file;
+mod audit_index;
 mod engine;
 mod entities;
 mod keys;
