@@ -1,11 +1,11 @@
 //! The audit trail's own file, `<db>.audit`, and the thread that writes it.
 //!
-//! Audit rows are the store's most numerous writes, and each lands on a random page of the
-//! trail's by-key index: about 10 µs of work and a 4 KiB page in the WAL a row. In the main
-//! database they rode in the reservations' group commits, so every reservation's `fdatasync`
-//! also carried the audit pages of the batch and waited for them. Here the trail has its own
+//! Audit rows are the store's most numerous writes. In the main database, where each also
+//! landed on a random page of a by-key index (about 10 µs of work and a 4 KiB WAL page a row),
+//! they rode in the reservations' group commits, so every reservation's `fdatasync` also
+//! carried the audit pages of the batch and waited for them. Here the trail has its own
 //! WAL, its own lock and this thread, which commits with `synchronous = FULL`: its sync is not
-//! a reservation's. Paired against the trail in the main database (`bench/ab.sh`, SQLite first
+//! a reservation's; its rows are indexed by key in bulk ([`audit_index`]). Paired against the trail in the main database (`bench/ab.sh`, SQLite first
 //! writes, Intel host): 8 connections 1.161 ± 0.040 req/s and 0.836 ± 0.025 CPU a request; one
 //! connection 0.657 ± 0.020 CPU and p99 0.899 ± 0.042; 64 connections 1.044 ± 0.027.
 //!
@@ -228,8 +228,8 @@ fn write(conn: &Connection, jobs: &[Job]) -> Vec<StoreResult<u64>> {
     }
 }
 
-/// Rows written between two yields of the CPU. Each row costs this thread about 8 µs (a random
-/// page of the by-key index), so an append of a few hundred rows held a core for milliseconds,
+/// Rows written between two yields of the CPU. Each row cost this thread about 8 µs when it
+/// also went into a by-key index, so an append of a few hundred rows held a core for milliseconds,
 /// and a serving thread woken meanwhile waited for the scheduler to preempt it. Yielding after
 /// every 32 rows (about 250 µs) cut the p99 of replays of keys drawn from 10k from 1.39–1.67 to
 /// 1.10–1.25 ms (five alternated pairs, 8 connections, Intel host); a yield every 8 rows made it

@@ -7,7 +7,7 @@
 //! `idem_audit_by_key (key, id)` is filled by [`merge`]: every [`MERGE_ROWS`] rows, the rows
 //! after the mark are inserted sorted by key in one transaction, which walks the B-tree once in
 //! order, and the mark (`idem_audit_indexed.upto`) moves to the last of them. A look-up by key
-//! ([`BY_KEY`]) reads the index up to the mark and scans the rows after it, at most a merge's
+//! ([`by_key`]) reads the index up to the mark and scans the rows after it, at most a merge's
 //! worth, so it sees every row at any time, a crash between two merges included.
 
 use super::*;
