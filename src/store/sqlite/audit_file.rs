@@ -64,8 +64,8 @@ impl AuditFile {
         conn.pragma_update(None, "synchronous", "FULL")?;
         conn.pragma_update(None, "temp_store", "MEMORY")?;
         conn.set_prepared_statement_cache_capacity(16);
-        let moved = move_old_rows(&conn, db)?;
-        let unindexed = audit_index::prepare(&conn, moved)?;
+        move_old_rows(&conn, db)?;
+        let unindexed = audit_index::unindexed(&conn)?;
         let (jobs, queue) = mpsc::channel();
         std::thread::Builder::new()
             .name("idemproxy-audit".into())
@@ -112,13 +112,15 @@ impl AuditFile {
 /// the main database's rows (written there before the trail had a file of its own) here, ids
 /// kept. The copy and the delete are two files' commits, which SQLite does not make atomic
 /// together: a crash between them leaves the rows in both, and the next open copies them again
-/// with `OR IGNORE`, by id, then deletes them. Returns whether it moved any.
-fn move_old_rows(conn: &Connection, db: &std::path::Path) -> StoreResult<bool> {
+/// with `OR IGNORE`, by id, then deletes them. The by-key index is made (see
+/// [`audit_index::prepare`]) before rows move, and the moved rows under its mark are indexed in
+/// the move's transaction.
+fn move_old_rows(conn: &Connection, db: &std::path::Path) -> StoreResult<()> {
     let db = db
         .to_str()
         .ok_or_else(|| StoreError::File(format!("{} is not a UTF-8 path", db.display())))?;
     conn.execute("ATTACH DATABASE ?1 AS old", params![db])?;
-    let moved = (|| -> StoreResult<bool> {
+    let moved = (|| -> StoreResult<()> {
         if columns(conn, "main")?.is_empty() {
             let mut stmt = conn.prepare(
                 "SELECT sql FROM old.sqlite_master WHERE tbl_name = 'idem_audit' AND sql IS NOT NULL \
@@ -136,22 +138,25 @@ fn move_old_rows(conn: &Connection, db: &std::path::Path) -> StoreResult<bool> {
                     .into(),
             ));
         }
+        audit_index::prepare(conn)?;
         let any: bool =
             conn.query_row("SELECT EXISTS (SELECT 1 FROM old.idem_audit)", [], |r| {
                 r.get(0)
             })?;
         if any {
-            conn.execute_batch(
+            conn.execute_batch(&format!(
                 "BEGIN IMMEDIATE; \
                  INSERT OR IGNORE INTO main.idem_audit SELECT * FROM old.idem_audit ORDER BY id; \
+                 {}; \
                  DELETE FROM old.idem_audit; \
                  COMMIT;",
-            )
+                audit_index::INDEX_MOVED
+            ))
             .inspect_err(|_| {
                 let _ = conn.execute_batch("ROLLBACK");
             })?;
         }
-        Ok(any)
+        Ok(())
     })();
     conn.execute("DETACH DATABASE old", [])?;
     moved
@@ -195,10 +200,12 @@ fn run(conn: Connection, queue: mpsc::Receiver<Msg>, mut unindexed: u64, every: 
             }
         }
         if unindexed >= every {
-            // A failed merge leaves the rows after the mark, where look-ups still scan them.
-            match audit_index::merge(&conn) {
-                Ok(_) => unindexed = 0,
-                Err(e) => tracing::warn!(error = %e, "cannot index the audit trail by key"),
+            // A failed merge leaves the rows after the mark, where look-ups still scan them; the
+            // next try waits for as many rows again, so a lasting error costs a try (and a
+            // warning) a merge's worth of rows, not one a turn.
+            unindexed = 0;
+            if let Err(e) = audit_index::merge(&conn) {
+                tracing::warn!(error = %e, "cannot index the audit trail by key");
             }
         }
         if let Some(tell) = close {
@@ -375,6 +382,9 @@ mod tests {
         file.append((3..5).map(row).collect()).await.unwrap();
         file.purge(0, 1).await.unwrap();
         assert_eq!(indexed(), 5);
+        file.append(vec![row(5)]).await.unwrap();
+        file.purge(0, 1).await.unwrap();
+        assert_eq!(indexed(), 5, "the count starts again after a merge");
         file.close().await;
     }
 
