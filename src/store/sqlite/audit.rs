@@ -159,7 +159,16 @@ impl AuditLog for SqliteStore {
 
 #[cfg(test)]
 pub(super) mod tests {
-    use crate::store::AuditRow;
+    use crate::store::{AuditRow, Store};
+    use std::sync::Arc;
+
+    /// The store on the database `db`, created if missing (migrations run, audit file made).
+    pub async fn open(db: &std::path::Path) -> Arc<dyn Store> {
+        let url = format!("sqlite://{}", db.display());
+        crate::store::open(&url, std::time::Duration::from_secs(30), true, None)
+            .await
+            .unwrap()
+    }
 
     /// A row whose fields all differ with `n`, of key `k`.
     pub fn row(n: i64) -> AuditRow {
@@ -188,10 +197,7 @@ pub(super) mod tests {
     #[tokio::test]
     async fn a_batch_is_stored_whole_and_in_order() {
         let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}", dir.path().join("a.db").display());
-        let store = crate::store::open(&url, std::time::Duration::from_secs(30), true, None)
-            .await
-            .unwrap();
+        let store = open(&dir.path().join("a.db")).await;
         let rows: Vec<AuditRow> = (0..37).map(row).collect();
         store.append_audit(rows.clone()).await.unwrap();
         let mut read = store.audit_for_key("k", 100).await.unwrap();

@@ -265,15 +265,8 @@ fn failed(jobs: &[Job], e: StoreError) -> Vec<StoreResult<u64>> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::audit::tests::row;
+    use super::super::audit::tests::{open, row};
     use super::*;
-
-    async fn open(db: &std::path::Path) -> Arc<dyn Store> {
-        let url = format!("sqlite://{}", db.display());
-        crate::store::open(&url, Duration::from_secs(30), true, None)
-            .await
-            .unwrap()
-    }
 
     /// A database in `dir` whose store was opened once (migrations run, audit file made) and
     /// closed.

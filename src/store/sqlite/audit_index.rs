@@ -125,16 +125,9 @@ pub fn purge(conn: &Connection, before: i64, batch: i64) -> StoreResult<u64> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::audit::tests::row;
+    use super::super::audit::tests::{open, row};
     use super::super::audit_file::path_of;
     use super::*;
-
-    async fn open(db: &std::path::Path) -> Arc<dyn Store> {
-        let url = format!("sqlite://{}", db.display());
-        crate::store::open(&url, Duration::from_secs(30), true, None)
-            .await
-            .unwrap()
-    }
 
     /// How many entries the by-key index holds, and its mark.
     fn index_of(db: &std::path::Path) -> (i64, i64) {
