@@ -3,11 +3,12 @@
 //! Audit rows are the store's most numerous writes. In the main database, where each also
 //! landed on a random page of a by-key index (about 10 µs of work and a 4 KiB WAL page a row),
 //! they rode in the reservations' group commits, so every reservation's `fdatasync` also
-//! carried the audit pages of the batch and waited for them. Here the trail has its own
-//! WAL, its own lock and this thread, which commits with `synchronous = FULL`: its sync is not
-//! a reservation's; its rows are indexed by key in bulk ([`audit_index`]). Paired against the trail in the main database (`bench/ab.sh`, SQLite first
-//! writes, Intel host): 8 connections 1.161 ± 0.040 req/s and 0.836 ± 0.025 CPU a request; one
-//! connection 0.657 ± 0.020 CPU and p99 0.899 ± 0.042; 64 connections 1.044 ± 0.027.
+//! carried the audit pages of the batch and waited for them. Here the trail has its own WAL,
+//! its own lock and this thread, which commits with `synchronous = FULL`: its sync is not a
+//! reservation's; its rows are indexed by key in bulk ([`audit_index`]). Paired against the
+//! trail in the main database (`bench/ab.sh`, SQLite first writes, Intel host): 8 connections
+//! 1.161 ± 0.040 req/s and 0.836 ± 0.025 CPU a request; one connection 0.657 ± 0.020 CPU and
+//! p99 0.899 ± 0.042; 64 connections 1.044 ± 0.027.
 //!
 //! Once the auditor heard its rows were written, they survive a power loss. Rows written by an
 //! earlier release into the main database's `idem_audit` are moved here when the store opens

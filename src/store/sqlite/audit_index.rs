@@ -46,6 +46,8 @@ pub const INDEX_MOVED: &str = "INSERT OR IGNORE INTO main.idem_audit_by_key (key
 /// Makes the index and its mark if this file has none: a new file, or one written before the
 /// index existed, whose rows are indexed here and whose row-by-row `idem_audit_key` is dropped,
 /// in one transaction that holds the file's write lock (two processes may open it at once).
+/// A file that has its mark is only read: the write lock would also take the main database's,
+/// attached while the store opens, on every open.
 pub fn prepare(conn: &Connection) -> StoreResult<()> {
     conn.execute_batch(
         "CREATE TABLE IF NOT EXISTS main.idem_audit_by_key ( \
@@ -53,13 +55,18 @@ pub fn prepare(conn: &Connection) -> StoreResult<()> {
          CREATE TABLE IF NOT EXISTS main.idem_audit_indexed ( \
            one INTEGER PRIMARY KEY CHECK (one = 1), upto INTEGER NOT NULL);",
     )?;
+    let marked = |conn: &Connection| -> StoreResult<bool> {
+        Ok(conn.query_row(
+            "SELECT EXISTS (SELECT 1 FROM main.idem_audit_indexed)",
+            [],
+            |r| r.get(0),
+        )?)
+    };
+    if marked(conn)? {
+        return Ok(());
+    }
     let tx = Transaction::new_unchecked(conn, TransactionBehavior::Immediate)?;
-    let marked: bool = tx.query_row(
-        "SELECT EXISTS (SELECT 1 FROM main.idem_audit_indexed)",
-        [],
-        |r| r.get(0),
-    )?;
-    if !marked {
+    if !marked(&tx)? {
         tx.execute_batch(
             "INSERT INTO main.idem_audit_by_key (key, id) \
                SELECT key, id FROM main.idem_audit WHERE key IS NOT NULL ORDER BY key, id; \
@@ -129,6 +136,14 @@ mod tests {
     use super::super::audit_file::path_of;
     use super::*;
 
+    /// A store on a new database in a directory of its own (kept while the test runs).
+    async fn fresh() -> (tempfile::TempDir, std::path::PathBuf, Arc<dyn Store>) {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("a.db");
+        let store = open(&db).await;
+        (dir, db, store)
+    }
+
     /// How many entries the by-key index holds, and its mark.
     fn index_of(db: &std::path::Path) -> (i64, i64) {
         let conn = Connection::open(path_of(db)).unwrap();
@@ -146,9 +161,7 @@ mod tests {
     /// index.
     #[tokio::test]
     async fn a_key_s_rows_are_found_on_both_sides_of_the_mark() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("a.db");
-        let store = open(&db).await;
+        let (_dir, db, store) = fresh().await;
         let other = |n| AuditRow {
             key: Some("other".into()),
             ..row(n)
@@ -191,9 +204,7 @@ mod tests {
     /// order (not id order), and leaves no entry without its row.
     #[tokio::test]
     async fn an_expired_row_leaves_the_index_with_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("a.db");
-        let store = open(&db).await;
+        let (_dir, db, store) = fresh().await;
         let expiring = |n, at| AuditRow {
             expires_at: at,
             ..row(n)
@@ -222,9 +233,7 @@ mod tests {
     /// indexed as they move in; else a look-up would never find them.
     #[tokio::test]
     async fn rows_moved_in_under_the_mark_are_indexed() {
-        let dir = tempfile::tempdir().unwrap();
-        let db = dir.path().join("a.db");
-        let store = open(&db).await;
+        let (_dir, db, store) = fresh().await;
         let rows: Vec<AuditRow> = (0..5).map(row).collect();
         store.append_audit(rows.clone()).await.unwrap();
         store.close().await;
