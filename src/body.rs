@@ -115,6 +115,8 @@ impl BodyPath {
             .filter_map(|v| match v {
                 Value::Null => None,
                 Value::String(s) => Some(s.clone()),
+                // One number, one name, however it is written: `9801`, `9801.0`, `9.801e3`.
+                Value::Number(n) => Some(crate::number::canonical(&n.to_string())),
                 other => Some(other.to_string()),
             })
             .collect()
@@ -261,11 +263,11 @@ pub fn form_name_steps(name: &str) -> Vec<String> {
 pub const MAX_FORM_DEPTH: usize = 32;
 
 fn parse_form(bytes: &[u8]) -> Result<Value, String> {
-    if std::str::from_utf8(bytes).is_err() {
-        return Err("the form body is not UTF-8".into());
-    }
+    // Decoded without loss: a field whose bytes are not text is refused, never read as
+    // U+FFFD (two customers would then be one).
+    let pairs = crate::urlencoded::text_pairs(bytes).map_err(|e| format!("the form body: {e}"))?;
     let mut root = Value::Object(Map::new());
-    for (name, value) in form_urlencoded::parse(bytes) {
+    for (name, value) in pairs {
         let steps = form_name_steps(&name);
         // The tree is built recursively: a bound on nesting keeps hostile names from
         // exhausting the stack (Stripe's own forms nest a handful of levels).
@@ -275,7 +277,7 @@ fn parse_form(bytes: &[u8]) -> Result<Value, String> {
                 name
             ));
         }
-        insert_form(&mut root, &steps, Value::String(value.into_owned()));
+        insert_form(&mut root, &steps, Value::String(value));
     }
     Ok(arrays_from_indices(root))
 }

@@ -47,6 +47,9 @@ pub enum ErrorKind {
     UpstreamTimeout,
     /// A method spelled like a standard one in another case (`post`): never forwarded.
     BadMethod,
+    /// A header a route reads (for its key, entity or version) is not UTF-8 text, or is sent
+    /// more than once: reading it would be a guess, never a fallback (`400`).
+    HeaderInvalid,
     /// The request body did not arrive within `body_timeout` (`408`).
     BodyTimeout,
     /// The key's first answer was over `max_answer`: it reached its first caller but was not
@@ -89,6 +92,7 @@ impl ErrorKind {
             UpstreamUnreachable => "upstream_unreachable",
             UpstreamTimeout => "upstream_timeout",
             BadMethod => "bad_method",
+            HeaderInvalid => "header_invalid",
             BodyTimeout => "body_timeout",
             AnswerTooLarge => "answer_too_large",
             Forbidden => "forbidden",
@@ -103,8 +107,8 @@ impl ErrorKind {
     pub fn status(self) -> StatusCode {
         use ErrorKind::*;
         match self {
-            BadPath | BadMethod | BodyInvalid | KeyMissing | KeyInvalid | EntityMissing
-            | VersionMissing => StatusCode::BAD_REQUEST,
+            BadPath | BadMethod | HeaderInvalid | BodyInvalid | KeyMissing | KeyInvalid
+            | EntityMissing | VersionMissing => StatusCode::BAD_REQUEST,
             NoRoute | NotFound => StatusCode::NOT_FOUND,
             BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             KeyReused => StatusCode::UNPROCESSABLE_ENTITY,

@@ -62,7 +62,7 @@ pub fn advice(kind: ErrorKind) -> &'static str {
         EntityClaimed => "Another run owns this record; nothing was applied. Do not retry; tell a person if this is unexpected.",
         PrecheckFailed => "The record is not in the state this write expects; nothing was applied. Read it again before deciding what to do.",
         KeyMissing | EntityMissing | VersionMissing => "The proxy cannot tell this request from others; nothing was applied. Include the missing field, or ask the operator to configure the route.",
-        BodyInvalid | BodyTooLarge | BadPath | BadMethod | KeyInvalid | BodyTimeout => "The request was malformed; nothing was applied. Fix it before sending it again.",
+        BodyInvalid | BodyTooLarge | BadPath | BadMethod | HeaderInvalid | KeyInvalid | BodyTimeout => "The request was malformed; nothing was applied. Fix it before sending it again.",
         NoRoute | NotFound => "Nothing was found at this address; nothing was applied.",
         Forbidden | Unauthorized => "The request was refused; nothing was applied.",
         NotSettleable => "Nothing was changed: the key is not waiting to be settled, or several records carry it. Read its records and pick one.",

@@ -32,6 +32,8 @@ pub fn explain(
             HeaderValue::from_str(v.trim()).map_err(|_| format!("bad header value in {h:?}"))?;
         hm.append(name, value);
     }
+    // As the server does: what is never forwarded decides nothing.
+    crate::upstream::strip_hop_by_hop(&mut hm);
     let body = body.unwrap_or_default();
     if !hm.contains_key(http::header::CONTENT_TYPE) && !body.is_empty() {
         let ct = if serde_json::from_slice::<serde_json::Value>(&body).is_ok() {
@@ -66,7 +68,7 @@ pub fn explain(
         "upstream:    {} -> {}://{}{pq}",
         upstream.name, upstream.scheme, upstream.authority
     );
-    let (route, params, canonical) = match action {
+    let (route, params) = match action {
         Action::Passthrough => {
             let _ = writeln!(
                 w,
@@ -74,7 +76,7 @@ pub fn explain(
             );
             return Ok(out);
         }
-        Action::Protect(route, params, canonical) => (route, params, canonical),
+        Action::Protect(route, params) => (route, params),
     };
     let _ = writeln!(w, "route:       {}", route.summary());
     let plan = match prepare::plan_key(&upstream, &route, &hm) {
@@ -94,7 +96,7 @@ pub fn explain(
     }
     let input = Input {
         method: &method,
-        path: &canonical,
+        path: rel,
         query: uri.query(),
         headers: &hm,
         body: &body,
@@ -125,7 +127,9 @@ pub fn explain(
         }
     };
     let _ = writeln!(w, "key:         {} ({source})", p.key);
-    let creds: Vec<String> = crate::key::credential_names(&upstream.scope_headers)
+    let creds: Vec<String> = upstream
+        .credentials
+        .iter()
         .filter(|n| hm.contains_key(*n))
         .map(|n| n.to_string())
         .collect();

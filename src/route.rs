@@ -120,7 +120,7 @@ fn decode(s: &str) -> String {
     percent_decode_str(s).decode_utf8_lossy().into_owned()
 }
 
-/// The path routes are matched (and fingerprinted) against: empty segments dropped,
+/// The path routes are matched against (the fingerprint takes the path as forwarded): empty segments dropped,
 /// percent-encoded unreserved characters decoded, a stray `%` written `%25`, `;params` of a
 /// segment left out (servers such as Tomcat and Spring ignore them) and no trailing slash — so
 /// `/a//b/`, `/a/%62`, `/a/b;v=1` and `/a/b` meet the same route, lock and rules. The path
@@ -171,6 +171,16 @@ pub fn canonical(path: &str) -> String {
         out.push('/');
     }
     out
+}
+
+/// Rejects a (canonical) path whose escapes decode to bytes that are not UTF-8: a capture
+/// read from it would be a guess (`%FF` and `%FE` both read as U+FFFD), and two paths the
+/// upstream tells apart would name one entity and one key.
+pub fn check_text(path: &str) -> Result<(), &'static str> {
+    if !path.contains('%') || percent_decode_str(path).decode_utf8().is_ok() {
+        return Ok(());
+    }
+    Err("the path's escapes decode to bytes that are not UTF-8 text ('%FF'); a route cannot name an entity or a key from it")
 }
 
 /// Rejects paths an upstream could resolve to somewhere else: `.`/`..` segments (plain or

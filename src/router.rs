@@ -77,8 +77,8 @@ async fn dispatch(
     };
     let result = match action {
         Action::Passthrough => passthrough(state.client(target.upstream)?, &target, req).await,
-        Action::Protect(route, params, canonical) => {
-            crate::pipeline::run(state, &route, params, &canonical, &target, req).await
+        Action::Protect(route, params) => {
+            crate::pipeline::run(state, &route, params, &target, req).await
         }
     };
     result.map_err(|e| e.formatted(upstream.error_format))
@@ -88,9 +88,10 @@ async fn dispatch(
 pub enum Action {
     /// Stream it through, unlocked and unrecorded.
     Passthrough,
-    /// Run the pipeline under this route, with these path captures and the canonical
-    /// upstream path (see [`crate::route::canonical`]) the route matched.
-    Protect(Arc<Route>, Vec<(String, String)>, String),
+    /// Run the pipeline under this route, with these path captures. Routes match the
+    /// canonical path ([`crate::route::canonical`]), so an escaped or `;param` spelling cannot
+    /// slip past a route; what is fingerprinted is the path as forwarded.
+    Protect(Arc<Route>, Vec<(String, String)>),
 }
 
 /// Routing, pure: upstream, upstream-relative path and action for a method and path. Shared
@@ -118,6 +119,9 @@ pub fn resolve<'p>(
         return Ok((upstream, rel, Action::Passthrough));
     }
     let canonical = crate::route::canonical(rel);
+    // A capture names an entity or a key: bytes that are not text would be read as U+FFFD,
+    // and two different paths would name one entity.
+    crate::route::check_text(&canonical).map_err(|why| ProxyError::new(ErrorKind::BadPath, why))?;
     let matched = upstream.routes.iter().find_map(|r| {
         r.methods
             .contains(method)
@@ -143,11 +147,9 @@ pub fn resolve<'p>(
     let action = match matched {
         // A read sent as POST: streamed through like a GET, never keyed or locked.
         Some((route, _)) if route.read_only => Action::Passthrough,
-        Some((route, params)) => Action::Protect(route.clone(), params, canonical),
+        Some((route, params)) => Action::Protect(route.clone(), params),
         None => match upstream.unmatched {
-            Unmatched::Protect => {
-                Action::Protect(upstream.unmatched_route.clone(), Vec::new(), canonical)
-            }
+            Unmatched::Protect => Action::Protect(upstream.unmatched_route.clone(), Vec::new()),
             Unmatched::Passthrough => Action::Passthrough,
             Unmatched::Reject => {
                 return Err(ProxyError::new(

@@ -242,7 +242,9 @@ fn lookup(src: &Source, v: &RequestView<'_>) -> Result<Vec<String>, String> {
         Source::Header(n) => v
             .headers
             .get(n)
-            .and_then(|h| h.to_str().ok())
+            // UTF-8 text, not only ASCII (`résa-7`); a value that is not text was refused
+            // before evaluation (`pipeline::evaluate`), never read as absent.
+            .and_then(|h| std::str::from_utf8(h.as_bytes()).ok())
             .map(|s| vec![s.trim().to_owned()]),
         Source::Body(p) => v.body.and_then(|b| {
             let vals = p.strings(b);

@@ -76,21 +76,6 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// `idemproxy serve` on the shipped proxy.toml, its APIs at these URLs.
-async fn shipped_proxy(dir: &TestDir, apis: &[(&str, String)]) -> ProxyProcess {
-    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("proxy.toml");
-    let config = dir.path().join("shipped.toml");
-    std::fs::copy(&shipped, &config).expect("copy the shipped proxy.toml");
-    let store = dir.db_url();
-    let mut env: Vec<(&str, &str)> = apis.iter().map(|(k, v)| (*k, v.as_str())).collect();
-    env.extend([
-        ("IDEMPROXY_STORE_URL", store.as_str()),
-        ("IDEMPROXY_LISTEN", "127.0.0.1:0"),
-        ("IDEMPROXY_ADMIN_LISTEN", "127.0.0.1:0"),
-    ]);
-    ProxyProcess::spawn_with_env(&config, &env).await
-}
-
 /// A fixed address in front of a fake API: a socket bound there but not listening, so that
 /// connections are refused (and the port stays ours) until [`Gate::open`] listens on it; then
 /// every connection is relayed to the fake. The API is "down" until then.

@@ -40,21 +40,8 @@ fn node_hubspot() -> bool {
 
 /// `idemproxy serve` on the shipped proxy.toml, its APIs pointed at the fakes.
 async fn shipped_proxy(dir: &TestDir, apis: &[(&str, &RecordingUpstream)]) -> ProxyProcess {
-    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("proxy.toml");
-    let config = dir.path().join("shipped.toml");
-    std::fs::copy(&shipped, &config).expect("copy the shipped proxy.toml");
-    let urls: Vec<(String, String)> = apis
-        .iter()
-        .map(|(var, api)| (var.to_string(), api.url()))
-        .collect();
-    let mut env: Vec<(&str, &str)> = urls.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-    let store = dir.db_url();
-    env.extend([
-        ("IDEMPROXY_STORE_URL", store.as_str()),
-        ("IDEMPROXY_LISTEN", "127.0.0.1:0"),
-        ("IDEMPROXY_ADMIN_LISTEN", "127.0.0.1:0"),
-    ]);
-    ProxyProcess::spawn_with_env(&config, &env).await
+    let urls: Vec<(&str, String)> = apis.iter().map(|(var, api)| (*var, api.url())).collect();
+    common::shipped_proxy(dir, &urls).await
 }
 
 /// Runs an SDK script to its end; its stdout is one JSON object.

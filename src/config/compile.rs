@@ -262,6 +262,28 @@ fn upstreams(
                 }
             },
         };
+        let scope_headers: Vec<HeaderName> = u
+            .scope_headers
+            .iter()
+            .flatten()
+            .filter_map(|h| cx.header(h))
+            .collect();
+        let configured: Option<Vec<HeaderName>> = u
+            .credential_headers
+            .as_ref()
+            .map(|names| names.iter().filter_map(|h| cx.header(h)).collect());
+        if let (Some(names), Some(list)) = (&u.credential_headers, &configured) {
+            if list.is_empty() && scope_headers.is_empty() {
+                if let Some(first) = names.first() {
+                    cx.err(first.span(), format!("upstream {name:?}: credential_headers is empty, so no caller's answer could be told from another's; name the headers its API authenticates with"));
+                }
+            }
+            if list.contains(&http::header::PROXY_AUTHORIZATION) {
+                if let Some(first) = names.first() {
+                    cx.err(first.span(), format!("upstream {name:?}: Proxy-Authorization is never forwarded to an upstream, so it cannot be one of its credential_headers"));
+                }
+            }
+        }
         out.push(Arc::new(Upstream {
             name: name.clone(),
             scheme,
@@ -277,12 +299,8 @@ fn upstreams(
             release_statuses,
             unmatched,
             ca_file: u.ca_file.as_ref().and_then(|c| cx.s(c)).map(PathBuf::from),
-            scope_headers: u
-                .scope_headers
-                .iter()
-                .flatten()
-                .filter_map(|h| cx.header(h))
-                .collect(),
+            credentials: crate::key::credential_list(configured.as_deref(), &scope_headers),
+            scope_headers,
             share_entities: u.share_entities.unwrap_or(false),
             error_format: match &u.error_format {
                 None => Default::default(),

@@ -157,9 +157,14 @@ pub struct Upstream {
     pub release_statuses: Vec<u16>,
     pub unmatched: Unmatched,
     pub ca_file: Option<PathBuf>,
-    /// Headers that scope keys besides the common credential headers
-    /// ([`crate::key::CREDENTIAL_HEADERS`]).
+    /// Headers that scope keys besides the credential headers (an account header such as
+    /// `Stripe-Account`).
     pub scope_headers: Vec<HeaderName>,
+    /// Every header that scopes this upstream's keys and entities, in the order they are
+    /// hashed ([`crate::key::credential_list`]): `credential_headers` (what the API
+    /// authenticates with) or, unset, every common credential header; then `scope_headers`.
+    /// A precheck or reconcile read sends these on the caller's behalf.
+    pub credentials: Vec<HeaderName>,
     /// Entity locks, versions and claims shared by every credential (one account, several
     /// tokens); by default each credential scope has its own.
     pub share_entities: bool,

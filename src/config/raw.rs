@@ -69,6 +69,7 @@ pub struct RawUpstream {
     pub unmatched: Option<Str>,
     pub ca_file: Option<Str>,
     pub scope_headers: Option<Vec<Str>>,
+    pub credential_headers: Option<Vec<Str>>,
     pub share_entities: Option<bool>,
     pub error_format: Option<Str>,
     pub mode: Option<Str>,

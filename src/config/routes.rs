@@ -314,6 +314,26 @@ pub(super) fn route(
     })
 }
 
+impl Route {
+    /// Every template the route evaluates over a request: entity, version, key derivations,
+    /// the precheck's path, the reconcile's path and expectations.
+    pub fn templates(&self) -> impl Iterator<Item = &Template> {
+        let reconcile = self.reconcile.iter().flat_map(|r| {
+            let expect = r.expect.iter().filter_map(|(_, e)| match e {
+                super::Expected::Template(t) => Some(t),
+                _ => None,
+            });
+            std::iter::once(&r.path).chain(expect)
+        });
+        self.entity
+            .iter()
+            .chain(&self.version)
+            .chain(&self.key.derive)
+            .chain(self.precheck.iter().map(|p| &p.path))
+            .chain(reconcile)
+    }
+}
+
 /// A derive template that reads no header: the key is the intent alone (route, entity,
 /// fingerprint, body fields), so the same call from anyone, at any time, makes it.
 pub fn intent_only(t: &Template) -> bool {

@@ -2,6 +2,7 @@
 //! recognized whatever order its fields come in.
 
 use crate::body::{form_name_steps, BodyKind, BodyPath, Step};
+use crate::urlencoded::{pairs, Pair};
 use http::{HeaderMap, HeaderName};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -17,8 +18,10 @@ pub struct FingerprintRule {
 pub struct Intent<'a> {
     pub method: &'a str,
     /// Upstream-relative path.
+    /// Upstream-relative path, exactly as forwarded (`;params`, escapes and all).
     pub path: &'a str,
-    pub query: &'a [(String, String)],
+    /// The raw query string, as forwarded.
+    pub query: Option<&'a str>,
     pub body: &'a [u8],
     pub kind: BodyKind,
     /// The parsed body (JSON or form), if it parsed.
@@ -47,12 +50,15 @@ pub fn fingerprint(intent: &Intent<'_>, rule: &FingerprintRule) -> String {
     };
     field(b"method", method.as_bytes());
     field(b"path", path.as_bytes());
-    let mut q: Vec<&(String, String)> = query.iter().collect();
+    // Decoded to bytes, never to lossy text: `%FF` is not `%FE`.
+    let mut q: Vec<Pair> = query
+        .map(|q| pairs(q.as_bytes()).collect())
+        .unwrap_or_default();
     // By name only, stable: repeated names keep their order (`a=1&a=2` is not `a=2&a=1`).
     q.sort_by(|a, b| a.0.cmp(&b.0));
     for (k, v) in q {
-        field(b"qk", k.as_bytes());
-        field(b"qv", v.as_bytes());
+        field(b"qk", &k);
+        field(b"qv", &v);
     }
     match (kind, parsed) {
         (BodyKind::Json, Some(v)) => {
@@ -66,17 +72,20 @@ pub fn fingerprint(intent: &Intent<'_>, rule: &FingerprintRule) -> String {
             field(b"json", &canonical.unwrap_or_default());
         }
         (BodyKind::Form, Some(_)) => {
-            let mut pairs: Vec<(String, String)> = form_urlencoded::parse(body)
-                .filter(|(name, _)| !rule.ignore.iter().any(|p| form_field_matches(p, name)))
-                .map(|(k, v)| (k.into_owned(), v.into_owned()))
+            // A form parsed only when every field is text (`body::parse`); hashed as bytes.
+            let mut pairs: Vec<Pair> = pairs(body)
+                .filter(|(name, _)| {
+                    let name = std::str::from_utf8(name).unwrap_or_default();
+                    !rule.ignore.iter().any(|p| form_field_matches(p, name))
+                })
                 .collect();
             // Sorted by name, stably — except that fields appending to one `[]` list
             // (`items[][price]`, `items[][qty]`) keep their order among each other: there the
             // order says which values belong to which list element.
             pairs.sort_by(|a, b| list_group(&a.0).cmp(list_group(&b.0)));
             for (k, v) in pairs {
-                field(b"fk", k.as_bytes());
-                field(b"fv", v.as_bytes());
+                field(b"fk", &k);
+                field(b"fv", &v);
             }
         }
         _ => field(b"raw", body),
@@ -92,8 +101,8 @@ pub fn fingerprint(intent: &Intent<'_>, rule: &FingerprintRule) -> String {
 }
 
 /// The part of a form name that orders it: up to its first `[]`, or the whole name.
-fn list_group(name: &str) -> &str {
-    match name.find("[]") {
+fn list_group(name: &[u8]) -> &[u8] {
+    match name.windows(2).position(|w| w == b"[]") {
         Some(i) => &name[..i + 2],
         None => name,
     }
@@ -125,7 +134,7 @@ mod tests {
         let intent = Intent {
             method: "POST",
             path: "/x",
-            query: &[],
+            query: None,
             body,
             kind,
             parsed: parsed.as_ref(),

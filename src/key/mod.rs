@@ -8,7 +8,7 @@ pub mod scope;
 
 pub use fingerprint::{fingerprint, FingerprintRule, Intent};
 pub use scope::{
-    credential_names, entity_scope, is_credential, legacy_scope, unqualified, ScopeKeyer,
+    credential_list, entity_scope, is_credential, legacy_scope, unqualified, ScopeKeyer,
     CREDENTIAL_HEADERS, SCOPE_PREFIX,
 };
 

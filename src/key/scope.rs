@@ -30,18 +30,31 @@ pub fn is_credential(name: &str, extra: &[HeaderName]) -> bool {
     CREDENTIAL_HEADERS.contains(&name) || extra.iter().any(|h| h.as_str() == name)
 }
 
-/// The headers that carry a request's credentials: [`CREDENTIAL_HEADERS`], then `extra`
-/// (the upstream's `scope_headers`), each name once. Also what a precheck or reconcile read
-/// sends on the caller's behalf.
-pub fn credential_names(extra: &[HeaderName]) -> impl Iterator<Item = &HeaderName> + '_ {
-    CREDENTIAL_NAMES.iter().chain(
-        extra
-            .iter()
-            .filter(|h| !CREDENTIAL_HEADERS.contains(&h.as_str())),
-    )
+/// The headers that carry an upstream's credentials, in the order the scope hashes them:
+/// `configured` (the upstream's `credential_headers`: what its API authenticates with), else
+/// every one of [`CREDENTIAL_HEADERS`]; then `scope_headers`; each name once. Names of the
+/// common list keep its order, so a scope hashed before an upstream narrowed its list is the
+/// same for a request that carries only the headers kept. Hop-by-hop headers are never on it:
+/// they are not forwarded, so they cannot tell two callers apart at the upstream.
+pub fn credential_list(
+    configured: Option<&[HeaderName]>,
+    scope_headers: &[HeaderName],
+) -> Vec<HeaderName> {
+    let wanted = |n: &HeaderName| configured.is_none_or(|c| c.contains(n));
+    let mut out: Vec<HeaderName> = CREDENTIAL_NAMES
+        .iter()
+        .filter(|n| wanted(n) && **n != http::header::PROXY_AUTHORIZATION)
+        .cloned()
+        .collect();
+    for n in configured.into_iter().flatten().chain(scope_headers) {
+        if !out.contains(n) && *n != http::header::PROXY_AUTHORIZATION {
+            out.push(n.clone());
+        }
+    }
+    out
 }
 
-/// [`CREDENTIAL_HEADERS`] as header names, built once (every request hashes them).
+/// [`CREDENTIAL_HEADERS`] as header names, built once.
 static CREDENTIAL_NAMES: std::sync::LazyLock<Vec<HeaderName>> = std::sync::LazyLock::new(|| {
     CREDENTIAL_HEADERS
         .iter()
@@ -72,12 +85,12 @@ impl ScopeKeyer {
     }
 
     /// `k1:` + hex HMAC-SHA256 over every credential header of the request (name, length,
-    /// value), in a fixed order.
-    pub fn scope(&self, headers: &HeaderMap, scope_headers: &[HeaderName]) -> String {
+    /// value), in the order of `credentials` (an upstream's [`credential_list`]).
+    pub fn scope(&self, headers: &HeaderMap, credentials: &[HeaderName]) -> String {
         // The names the request carries, compared with the list (cheap: a request has a few),
         // so only those are looked up; the hash takes them in the list's order, as before.
         let carried = |name: &&HeaderName| headers.keys().any(|k| k == *name);
-        let mut names = credential_names(scope_headers).filter(carried).peekable();
+        let mut names = credentials.iter().filter(carried).peekable();
         if names.peek().is_none() {
             return self.uncredentialed.clone();
         }
@@ -153,7 +166,7 @@ mod tests {
     #[test]
     fn scope_depends_on_credentials() {
         let k = ScopeKeyer::new(b"0123456789abcdef");
-        let sh = [HeaderName::from_static("stripe-account")];
+        let sh = credential_list(None, &[HeaderName::from_static("stripe-account")]);
         let scope = |pairs: &[(&str, &str)]| k.scope(&hm(pairs), &sh);
         let a = scope(&[("authorization", "Bearer a")]);
         assert_ne!(a, scope(&[("authorization", "Bearer b")]));
@@ -163,7 +176,10 @@ mod tests {
         );
         assert_eq!(a, scope(&[("authorization", "Bearer a"), ("x-other", "1")]));
         // Every common credential header scopes, not only Authorization.
-        for name in CREDENTIAL_HEADERS {
+        for name in CREDENTIAL_HEADERS
+            .iter()
+            .filter(|n| **n != "proxy-authorization")
+        {
             assert_ne!(
                 scope(&[(name, "A")]),
                 scope(&[(name, "B")]),
@@ -173,8 +189,13 @@ mod tests {
         // Keyed: another secret, another scope; the plain SHA-256 of old is not it.
         let other = ScopeKeyer::new(b"fedcba9876543210");
         assert_ne!(a, other.scope(&hm(&[("authorization", "Bearer a")]), &sh));
+        // Proxy-Authorization is never forwarded: it scopes nothing.
+        assert_eq!(
+            a,
+            scope(&[("authorization", "Bearer a"), ("proxy-authorization", "x")])
+        );
         assert_ne!(k.id(), other.id());
-        let legacy = legacy_scope(&hm(&[("authorization", "Bearer a")]), &sh);
+        let legacy = legacy_scope(&hm(&[("authorization", "Bearer a")]), &sh[sh.len() - 1..]);
         assert!(!a.contains(&legacy));
         assert!(a.starts_with(SCOPE_PREFIX));
         // No credentials: the keyed hash of nothing, as it always was (made once).
@@ -185,13 +206,36 @@ mod tests {
         assert_ne!(scope(&[("authorization", "")]), none);
     }
 
+    /// An upstream that says what it authenticates with is scoped by those headers only (a
+    /// cookie jar's `Cookie` then changes nothing), in the common list's order, so the scope of
+    /// a request carrying only them is what it was with the whole list.
+    #[test]
+    fn an_upstreams_own_credentials_scope_its_keys() {
+        let k = ScopeKeyer::new(b"0123456789abcdef");
+        let names = |l: &[&'static str]| -> Vec<HeaderName> {
+            l.iter().map(|n| HeaderName::from_static(n)).collect()
+        };
+        let all = credential_list(None, &names(&["stripe-account"]));
+        let own = credential_list(Some(&names(&["stripe-account", "authorization"])), &[]);
+        assert_eq!(own, names(&["authorization", "stripe-account"]));
+        let req = hm(&[("authorization", "Bearer a"), ("stripe-account", "acct_1")]);
+        assert_eq!(k.scope(&req, &all), k.scope(&req, &own));
+        let with_cookie = hm(&[
+            ("authorization", "Bearer a"),
+            ("stripe-account", "acct_1"),
+            ("cookie", "__cf_bm=1"),
+        ]);
+        assert_eq!(k.scope(&with_cookie, &own), k.scope(&req, &own));
+        assert_ne!(k.scope(&with_cookie, &all), k.scope(&req, &all));
+    }
+
     /// The bytes hashed are fixed (stored keys are found by their scope after an upgrade):
     /// each credential header present, in the list's order and then `scope_headers`', as
     /// name, `:`, the value's length (8 bytes, big-endian) and the value.
     #[test]
     fn the_scope_hashes_a_fixed_layout() {
         let secret = b"0123456789abcdef";
-        let sh = [HeaderName::from_static("stripe-account")];
+        let sh = credential_list(None, &[HeaderName::from_static("stripe-account")]);
         let headers = hm(&[
             ("stripe-account", "acct_1"),
             ("x-other", "1"),

@@ -114,6 +114,7 @@ pub fn prepare(
     input: &Input<'_>,
     scoper: &key::ScopeKeyer,
 ) -> ProxyResult<Prepared> {
+    let query = readable(route, input)?;
     let kind = BodyKind::of(input.headers);
     let parsed = match body::parse(kind, input.body) {
         Ok(v) => v,
@@ -153,14 +154,10 @@ pub fn prepare(
     } else {
         BodyKind::Raw
     };
-    let query: Vec<(String, String)> = input
-        .query
-        .map(|q| form_urlencoded::parse(q.as_bytes()).into_owned().collect())
-        .unwrap_or_default();
     let intent = key::Intent {
         method: input.method.as_str(),
         path: input.path,
-        query: &query,
+        query: input.query,
         body: input.body,
         kind,
         parsed: parsed.as_ref(),
@@ -261,7 +258,7 @@ pub fn prepare(
     };
     let id = ScopedKey::new(
         upstream.name.clone(),
-        scoper.scope(input.headers, &upstream.scope_headers),
+        scoper.scope(input.headers, &upstream.credentials),
         key.clone(),
     );
     // Entity locks, versions and claims belong to the caller's credentials unless the
@@ -288,6 +285,66 @@ pub fn prepare(
         stamped,
         workflow: None,
     })
+}
+
+/// The query's fields as text, once every part of the request the route's templates read is
+/// known to be read exactly: a header they read is sent once and is UTF-8 text, the query is
+/// text once decoded, and the body has one `Content-Type`. Anything else is refused, never read
+/// as absent (a key would fall back to another template) or as U+FFFD (two requests the
+/// upstream tells apart would be one key).
+fn readable(route: &Route, input: &Input<'_>) -> ProxyResult<Vec<(String, String)>> {
+    if input
+        .headers
+        .get_all(http::header::CONTENT_TYPE)
+        .iter()
+        .nth(1)
+        .is_some()
+    {
+        return Err(ProxyError::new(
+            ErrorKind::BodyInvalid,
+            "the request has two Content-Type headers; the upstream may read the body by either",
+        ));
+    }
+    let mut reads_query = false;
+    for source in route.templates().flat_map(|t| t.sources()) {
+        match source {
+            Source::Query(_) => reads_query = true,
+            Source::Header(name) => {
+                let mut values = input.headers.get_all(name).iter();
+                let first = values.next();
+                if values.next().is_some() {
+                    return Err(ProxyError::new(
+                        ErrorKind::HeaderInvalid,
+                        format!("{name} is sent more than once; route {} reads it, and the upstream may read either", route.name),
+                    ));
+                }
+                if let Some(v) = first.filter(|v| std::str::from_utf8(v.as_bytes()).is_err()) {
+                    return Err(ProxyError::new(
+                        ErrorKind::HeaderInvalid,
+                        format!(
+                            "{name} ({}) is not UTF-8 text; route {} reads it. Send it as UTF-8",
+                            crate::urlencoded::shown(v.as_bytes()),
+                            route.name
+                        ),
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    match input
+        .query
+        .map(|q| crate::urlencoded::text_pairs(q.as_bytes()))
+    {
+        None => Ok(Vec::new()),
+        Some(Ok(pairs)) => Ok(pairs),
+        Some(Err(why)) if reads_query => Err(ProxyError::new(
+            ErrorKind::BadPath,
+            format!("the query: {why}; route {} reads it", route.name),
+        )),
+        // Nothing reads it: the fingerprint takes its bytes.
+        Some(Err(_)) => Ok(Vec::new()),
+    }
 }
 
 /// The key from the first derive template whose every field the request has, and the window

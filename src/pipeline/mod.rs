@@ -53,10 +53,13 @@ pub async fn run(
     state: &Arc<AppState>,
     route: &Arc<Route>,
     params: Vec<(String, String)>,
-    canonical: &str,
     target: &Target<'_>,
-    req: Request<Incoming>,
+    mut req: Request<Incoming>,
 ) -> ProxyResult<Response<ProxyBody>> {
+    // What is never forwarded decides nothing: hop-by-hop headers (and those a client names
+    // in `Connection`) go before the key, its scope and the entities are read, so two requests
+    // the upstream receives alike are one key and one lock.
+    crate::upstream::strip_hop_by_hop(req.headers_mut());
     let plan = match prepare::plan_key(target.upstream, route, req.headers()) {
         Ok(KeyPlan::Unprotected) => {
             let client = state.client(target.upstream)?;
@@ -68,7 +71,7 @@ pub async fn run(
     let mut ctx = Ctx::new(state, route, target.upstream)?;
     let observe = route.mode == Mode::Observe;
     let prepared = match plan {
-        Ok(plan) => prepare::step(&mut ctx, plan, (params, canonical), target, req).await,
+        Ok(plan) => prepare::step(&mut ctx, plan, params, target, req).await,
         // Observe mode's paths are boxed, as the reconcile is: each holds a whole forward and
         // its stored outcome (~5 KB), and every request's future (boxed, copied in) would
         // otherwise carry room for them.

@@ -18,7 +18,7 @@ use std::task::Poll;
 pub(super) async fn step(
     ctx: &mut Ctx,
     plan: KeyPlan,
-    (params, canonical): (Vec<(String, String)>, &str),
+    params: Vec<(String, String)>,
     target: &Target<'_>,
     req: Request<Incoming>,
 ) -> ProxyResult<()> {
@@ -36,7 +36,7 @@ pub(super) async fn step(
     })??;
     let input = Input {
         method: &parts.method,
-        path: canonical,
+        path: target.path,
         query: target.query,
         headers: &parts.headers,
         body: &body,
@@ -64,7 +64,10 @@ pub(super) async fn step(
     // callers it may not be.
     if ctx.state.legacy_scopes {
         let extra = &ctx.upstream.scope_headers;
-        let uncovered = key::credential_names(extra)
+        let uncovered = ctx
+            .upstream
+            .credentials
+            .iter()
             .filter(|n| *n != http::header::AUTHORIZATION && !extra.contains(n))
             .any(|n| parts.headers.contains_key(n));
         ctx.legacy_scope = Some((key::legacy_scope(&parts.headers, extra), uncovered));
@@ -91,7 +94,9 @@ async fn timed<F: std::future::Future>(
 
 /// The workflow id a request carries, cut to [`WORKFLOW_MAX`] characters.
 fn workflow(header: Option<&http::HeaderName>, headers: &HeaderMap) -> Option<String> {
-    let value = headers.get(header?)?.to_str().ok()?;
+    // For the audit trail only (a key reads it through its template): shown even when not
+    // text.
+    let value = String::from_utf8_lossy(headers.get(header?)?.as_bytes());
     Some(value.chars().take(WORKFLOW_MAX).collect())
 }
 

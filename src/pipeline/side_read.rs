@@ -56,7 +56,7 @@ pub(super) async fn read(
     let mut req = Request::new(full(bytes::Bytes::new()));
     *req.method_mut() = method.clone();
     *req.uri_mut() = uri;
-    for name in crate::key::credential_names(&up.scope_headers) {
+    for name in &up.credentials {
         for v in headers.get_all(name) {
             req.headers_mut().append(name.clone(), v.clone());
         }

@@ -39,7 +39,7 @@ pub use client::{
     Resp,
 };
 #[allow(unused_imports)]
-pub use process::{cli, faults_binary, ProxyProcess};
+pub use process::{cli, faults_binary, shipped_proxy, ProxyProcess};
 #[allow(unused_imports)]
 pub use proxy::{TestDir, TestProxy};
 #[allow(unused_imports)]

@@ -309,3 +309,19 @@ pub async fn cli(config: std::path::PathBuf, args: &[&str]) -> (bool, String, St
     .await
     .expect("cli task")
 }
+
+/// `idemproxy serve` on the shipped proxy.toml (copied into `dir`), its APIs at these URLs
+/// (`("HUBSPOT_API_URL", url)`), on a store in `dir`, listeners on `127.0.0.1:0`.
+pub async fn shipped_proxy(dir: &super::TestDir, apis: &[(&str, String)]) -> ProxyProcess {
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("proxy.toml");
+    let config = dir.path().join("shipped.toml");
+    std::fs::copy(&shipped, &config).expect("copy the shipped proxy.toml");
+    let store = dir.db_url();
+    let mut env: Vec<(&str, &str)> = apis.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    env.extend([
+        ("IDEMPROXY_STORE_URL", store.as_str()),
+        ("IDEMPROXY_LISTEN", "127.0.0.1:0"),
+        ("IDEMPROXY_ADMIN_LISTEN", "127.0.0.1:0"),
+    ]);
+    ProxyProcess::spawn_with_env(&config, &env).await
+}
