@@ -24,6 +24,8 @@
 //! - [`config`]: `proxy.toml`, parsed and validated into compiled types at load.
 //! - [`template`], [`body`], [`route`], [`shape`]: the little languages of routes — templates,
 //!   body paths and forms, path patterns, a reconciled write's answer shaped from its read.
+//! - [`urlencoded`], [`number`]: request data read exactly — form and query fields as the
+//!   bytes their escapes spell (never lossy text), JSON numbers by value (`9801.0` is `9801`).
 //! - [`key`]: client keys, derived keys, fingerprints, credential scopes.
 //! - [`scope_secret`]: which secret keys a store's scopes (`scope_secret`, one derived from an
 //!   encryption key, or SQLite's generated `.secret` file).
