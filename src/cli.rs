@@ -62,6 +62,25 @@ enum Command {
     },
     /// Apply the store migrations and exit.
     Migrate,
+    /// The egress listener's certificate authority.
+    Ca {
+        #[command(subcommand)]
+        command: CaCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum CaCommand {
+    /// Create the CA the egress listener signs with (idemproxy-ca.pem, and idemproxy-ca.key
+    /// readable by its owner only). Never replaces an existing one.
+    Init {
+        /// Where to write it.
+        #[arg(long, default_value = "certs")]
+        dir: PathBuf,
+    },
+    /// The CA of the configuration (egress.ca_cert): its SHA-256 fingerprint, its expiry, and
+    /// how to make Node, Python, n8n in Docker and Debian trust it. Never the key.
+    Show,
 }
 
 #[derive(Subcommand)]
@@ -105,6 +124,27 @@ pub fn main() -> ExitCode {
         LogFormat::Text => crate::logging::Format::Text,
         LogFormat::Json => crate::logging::Format::Json,
     });
+    // Made before any configuration exists (the configuration names its files).
+    if let Command::Ca {
+        command: CaCommand::Init { dir },
+    } = &cli.command
+    {
+        return match crate::egress::ca::init(dir) {
+            Ok((cert, key)) => {
+                println!(
+                    "created {} and {} (mode 0600)",
+                    cert.display(),
+                    key.display()
+                );
+                println!("next: set [egress] listen in proxy.toml, then `idemproxy ca show` says how to trust it");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let config = match Config::load(&cli.config) {
         Ok(c) => c,
         Err(e) => {
@@ -140,6 +180,9 @@ pub fn main() -> ExitCode {
         }
         Command::Migrate => runtime(migrate(config)),
         Command::Keys { command } => runtime(keys(config, command)),
+        Command::Ca { .. } => {
+            crate::egress::ca::show(&config.egress.ca_cert).map(|text| print!("{text}"))
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -47,6 +47,11 @@ pub enum ErrorKind {
     UpstreamTimeout,
     /// A method spelled like a standard one in another case (`post`): never forwarded.
     BadMethod,
+    /// Egress listener: a host no upstream claims and no tunnel names (`403`); nothing is
+    /// connected.
+    EgressHostNotAllowed,
+    /// Egress listener: a missing or wrong `Proxy-Authorization` when `proxy_token` is set.
+    ProxyAuthRequired,
     /// A header a route reads (for its key, entity or version) is not UTF-8 text, or is sent
     /// more than once: reading it would be a guess, never a fallback (`400`).
     HeaderInvalid,
@@ -93,6 +98,8 @@ impl ErrorKind {
             UpstreamTimeout => "upstream_timeout",
             BadMethod => "bad_method",
             HeaderInvalid => "header_invalid",
+            EgressHostNotAllowed => "egress_host_not_allowed",
+            ProxyAuthRequired => "proxy_auth_required",
             BodyTimeout => "body_timeout",
             AnswerTooLarge => "answer_too_large",
             Forbidden => "forbidden",
@@ -115,7 +122,8 @@ impl ErrorKind {
             RequestInProgress | OutcomeUnknown | StaleVersion | EntityClaimed | PrecheckFailed
             | AnswerTooLarge | NotSettleable => StatusCode::CONFLICT,
             BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            Forbidden => StatusCode::FORBIDDEN,
+            Forbidden | EgressHostNotAllowed => StatusCode::FORBIDDEN,
+            ProxyAuthRequired => StatusCode::PROXY_AUTHENTICATION_REQUIRED,
             Internal => StatusCode::INTERNAL_SERVER_ERROR,
             EntityBusy | StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             UpstreamUnreachable => StatusCode::BAD_GATEWAY,
@@ -318,6 +326,9 @@ mod tests {
             (StoreUnavailable, 503),
             (UpstreamUnreachable, 502),
             (UpstreamTimeout, 504),
+            (HeaderInvalid, 400),
+            (EgressHostNotAllowed, 403),
+            (ProxyAuthRequired, 407),
         ];
         for (kind, status) in cases {
             assert_eq!(kind.status().as_u16(), status, "{}", kind.as_str());

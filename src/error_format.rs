@@ -64,7 +64,8 @@ pub fn advice(kind: ErrorKind) -> &'static str {
         KeyMissing | EntityMissing | VersionMissing => "The proxy cannot tell this request from others; nothing was applied. Include the missing field, or ask the operator to configure the route.",
         BodyInvalid | BodyTooLarge | BadPath | BadMethod | HeaderInvalid | KeyInvalid | BodyTimeout => "The request was malformed; nothing was applied. Fix it before sending it again.",
         NoRoute | NotFound => "Nothing was found at this address; nothing was applied.",
-        Forbidden | Unauthorized => "The request was refused; nothing was applied.",
+        Forbidden | Unauthorized | ProxyAuthRequired => "The request was refused; nothing was applied.",
+        EgressHostNotAllowed => "The proxy does not forward to this host; nothing was sent. Ask the operator to add it to an upstream's hosts or to egress.tunnel.",
         NotSettleable => "Nothing was changed: the key is not waiting to be settled, or several records carry it. Read its records and pick one.",
         Internal => "The proxy failed; a write may have happened. Sending the same request again, unchanged, is safe.",
     }

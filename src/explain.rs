@@ -101,6 +101,7 @@ pub fn explain(
         headers: &hm,
         body: &body,
         path_params: &params,
+        host: None,
     };
     // The running proxy keys scopes with the secret its store recorded; explain reads no
     // store, so it takes the first candidate (the one a new store records) and says when the

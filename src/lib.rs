@@ -73,6 +73,7 @@ pub mod cli;
 pub mod cli_settle;
 pub mod config;
 pub mod console;
+pub mod egress;
 pub mod error;
 pub mod error_format;
 pub mod explain;

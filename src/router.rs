@@ -19,6 +19,9 @@ pub enum Listener {
     Main,
     /// A dedicated upstream listener: every path goes to this upstream as is.
     Upstream(Arc<Upstream>),
+    /// A request the egress listener intercepted for this host, which this upstream claims:
+    /// handled as on the upstream's dedicated listener.
+    Egress(Arc<Upstream>, Arc<str>),
 }
 
 /// Answers one request; never fails, never panics on input.
@@ -74,9 +77,16 @@ async fn dispatch(
         upstream: &upstream,
         path: rel,
         query: uri.query(),
+        host: match listener {
+            Listener::Egress(_, host) => Some(host),
+            _ => None,
+        },
     };
     let result = match action {
-        Action::Passthrough => passthrough(state.client(target.upstream)?, &target, req).await,
+        Action::Passthrough => {
+            let client = state.client_for(&target)?;
+            passthrough(&client, &target, req).await
+        }
         Action::Protect(route, params) => {
             crate::pipeline::run(state, &route, params, &target, req).await
         }
@@ -107,7 +117,9 @@ pub fn resolve<'p>(
     let (upstream, rel) = match listener {
         // By name in the configuration in force (a reload may have changed its rules); an
         // upstream a reload removed keeps the rules its listener started with.
-        Listener::Upstream(u) => (config.upstream(&u.name).unwrap_or(u).clone(), path),
+        Listener::Upstream(u) | Listener::Egress(u, _) => {
+            (config.upstream(&u.name).unwrap_or(u).clone(), path)
+        }
         Listener::Main => find_upstream(config, path).ok_or_else(|| {
             ProxyError::new(
                 ErrorKind::NoRoute,

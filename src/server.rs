@@ -44,6 +44,8 @@ type Handler = Arc<
 pub struct Server {
     pub main_addr: SocketAddr,
     pub admin_addr: Option<SocketAddr>,
+    /// The egress listener's bound address, when it is on.
+    pub egress_addr: Option<SocketAddr>,
     /// Bound addresses of dedicated per-upstream listeners, by upstream name.
     pub upstream_addrs: BTreeMap<String, SocketAddr>,
     /// The state in force (a reload swaps it; shutdown uses its shared parts).
@@ -114,6 +116,7 @@ impl Server {
             owner: format!("pid{}-{}", std::process::id(), crate::store::now_ms()),
             scoper: Arc::new(scoper),
             legacy_scopes: check.legacy_keys,
+            host_clients: Default::default(),
         };
         let live: Live = Arc::new(arc_swap::ArcSwap::from_pointee(state));
         let state = live.load_full();
@@ -135,7 +138,7 @@ impl Server {
         };
         loops.push(serve(
             main,
-            tls.clone(),
+            Serving::plain(tls.clone()),
             proxy_handler(&live, Listener::Main),
             limits,
             cancel.clone(),
@@ -150,13 +153,38 @@ impl Server {
             upstream_addrs.insert(u.name.clone(), addr);
             loops.push(serve(
                 l,
-                tls.clone(),
+                Serving::plain(tls.clone()),
                 proxy_handler(&live, Listener::Upstream(u.clone())),
                 limits,
                 cancel.clone(),
                 Some(threads.clone()),
             ));
         }
+
+        let egress_addr = match config.egress.listen {
+            Some(a) => {
+                let ca = crate::egress::ca::Authority::load(
+                    &config.egress.ca_cert,
+                    &config.egress.ca_key,
+                )?;
+                let egress = Arc::new(crate::egress::Egress { ca });
+                let l = bind(a).await?;
+                let addr = l.local_addr()?;
+                tracing::info!(addr = %addr, "listening on egress listener");
+                let live = live.clone();
+                let handler: Handler = Arc::new(move |req| {
+                    let (live, egress) = (live.clone(), egress.clone());
+                    Box::pin(async move { crate::egress::handle(live, egress, req).await })
+                });
+                let serving = Serving {
+                    tls: None,
+                    upgrades: true,
+                };
+                loops.push(serve(l, serving, handler, limits, cancel.clone(), None));
+                Some(addr)
+            }
+            None => None,
+        };
 
         let admin_addr = match config.server.admin_listen {
             Some(a) => {
@@ -171,7 +199,14 @@ impl Server {
                     let live = live.clone();
                     Box::pin(async move { admin::handle(live, req).await })
                 });
-                loops.push(serve(l, None, handler, limits, cancel.clone(), None));
+                loops.push(serve(
+                    l,
+                    Serving::plain(None),
+                    handler,
+                    limits,
+                    cancel.clone(),
+                    None,
+                ));
                 Some(addr)
             }
             None => None,
@@ -185,6 +220,7 @@ impl Server {
         Ok(Server {
             main_addr,
             admin_addr,
+            egress_addr,
             upstream_addrs,
             live,
             cancel,
@@ -265,9 +301,26 @@ async fn reload_on_hangup(live: Live, stop: CancellationToken) {
 
 /// Accepts connections until cancelled, then drains them gracefully. With `threads`, the
 /// connections are dealt in turn to the runtime's workers and to those threads.
+/// How a listener's connections are served: behind TLS or not, and whether a request may
+/// take its connection over (`CONNECT` on the egress listener).
+#[derive(Clone)]
+struct Serving {
+    tls: Option<TlsAcceptor>,
+    upgrades: bool,
+}
+
+impl Serving {
+    fn plain(tls: Option<TlsAcceptor>) -> Serving {
+        Serving {
+            tls,
+            upgrades: false,
+        }
+    }
+}
+
 fn serve(
     listener: TcpListener,
-    tls: Option<TlsAcceptor>,
+    serving: Serving,
     handler: Handler,
     limits: crate::accept::Limits,
     cancel: CancellationToken,
@@ -296,7 +349,7 @@ fn serve(
             };
             let _ = stream.set_nodelay(true);
             let conn = Connection {
-                tls: tls.clone(),
+                serving: serving.clone(),
                 builder: builder.clone(),
                 watcher: graceful.watcher(),
                 handler: handler.clone(),
@@ -334,7 +387,7 @@ fn serve(
 
 /// An accepted connection and what serving it takes, wherever it is served.
 struct Connection {
-    tls: Option<TlsAcceptor>,
+    serving: Serving,
     builder: auto::Builder<TokioExecutor>,
     watcher: Watcher,
     handler: Handler,
@@ -358,7 +411,7 @@ impl Connection {
     /// Serves the connection (after its TLS handshake, if any) to its end.
     async fn serve_inner(self, stream: TcpStream) {
         let Connection {
-            tls,
+            serving: Serving { tls, upgrades },
             builder,
             watcher,
             handler,
@@ -369,11 +422,25 @@ impl Connection {
         // Set by the first request: a connection that sends none in time is closed.
         let spoke = Arc::new(AtomicBool::new(false));
         let heard = spoke.clone();
-        let svc = hyper::service::service_fn(move |req| {
+        // Where a CONNECT leaves its tunnel, awaited below so it keeps the connection's slot.
+        let afterwards = upgrades.then(crate::egress::Afterwards::default);
+        let slot = afterwards.clone();
+        let svc = hyper::service::service_fn(move |mut req: Request<Incoming>| {
             heard.store(true, Ordering::Relaxed);
+            if let Some(slot) = &slot {
+                req.extensions_mut().insert(slot.clone());
+            }
             let fut = handler(req);
             async move { Ok::<_, Infallible>(fut.await) }
         });
+        if let Some(afterwards) = afterwards {
+            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
+            drive(watcher.watch(conn.into_owned()), &spoke, peer).await;
+            if let Some(tunnel) = afterwards.take() {
+                let _ = tunnel.await;
+            }
+            return;
+        }
         let Some(acceptor) = tls else {
             let conn = builder.serve_connection(TokioIo::new(stream), svc);
             return drive(watcher.watch(conn.into_owned()), &spoke, peer).await;

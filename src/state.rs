@@ -32,6 +32,9 @@ pub struct AppState {
     /// Keys stored before scopes were keyed (unkeyed scopes) may still be in the store: a look-up
     /// that finds nothing under the keyed scope also tries the old one.
     pub legacy_scopes: bool,
+    /// Clients of upstreams whose URL is `https://{host}`, one per intercepted host, made on
+    /// first use. A std `Mutex`: held to look up or insert, never across an await.
+    pub host_clients: std::sync::Mutex<HashMap<(String, String), Arc<UpstreamClient>>>,
 }
 
 /// The state in force: a request takes the current one when it starts and keeps it to its
@@ -69,7 +72,52 @@ impl AppState {
             auditor: self.auditor.clone(),
             scoper: self.scoper.clone(),
             legacy_scopes: self.legacy_scopes,
+            host_clients: Default::default(),
         })
+    }
+
+    /// The client a request is sent with: its upstream's, or, for an upstream whose URL is
+    /// `https://{host}`, the client of the host the request was intercepted for.
+    pub fn client_for(
+        &self,
+        target: &crate::upstream::Target<'_>,
+    ) -> ProxyResult<Arc<UpstreamClient>> {
+        let upstream = target.upstream;
+        if !upstream.url_host {
+            return self.client(upstream).cloned();
+        }
+        let Some(host) = target.host else {
+            return Err(ProxyError::new(
+                ErrorKind::UpstreamUnreachable,
+                format!(
+                    "upstream {} sends each request to the host it was intercepted for (url https://{{host}}); a request on its prefix or listener has none: give the upstream a fixed url to use them",
+                    upstream.name
+                ),
+            ));
+        };
+        let key = (upstream.name.clone(), host.to_owned());
+        let mut clients = self.host_clients.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = clients.get(&key) {
+            return Ok(c.clone());
+        }
+        let unreachable = |e: String| ProxyError::new(ErrorKind::UpstreamUnreachable, e);
+        let authority: http::uri::Authority = host
+            .parse()
+            .map_err(|_| unreachable(format!("{host:?} is not a host name")))?;
+        let mut at_host = upstream.as_ref().clone();
+        at_host.authority = authority;
+        // Read once per new host (a few per process).
+        let roots = crate::upstream::default_roots();
+        let threads = crate::threads::for_config(&self.config);
+        let client = UpstreamClient::new(Arc::new(at_host), &roots, threads)
+            .map_err(|e| unreachable(format!("no client for {host}: {e}")))?;
+        let client = Arc::new(client);
+        // Bounded like the leaves: hosts come only from the upstreams' `hosts`.
+        if clients.len() >= 1024 {
+            clients.clear();
+        }
+        clients.insert(key, client.clone());
+        Ok(client)
     }
 
     /// The client of an upstream (always present: built for every upstream at start).

@@ -349,6 +349,7 @@ fn key(config: &Config, scoper: &ScopeKeyer, sent: &Sent) -> Option<(String, Str
         headers: &headers,
         body: &body,
         path_params: &params,
+        host: None,
     };
     let p = prepare(&upstream, &route, plan, &input, scoper).ok()?;
     Some((p.id.upstream.clone(), p.id.scope.clone(), p.id.key.clone()))

@@ -50,12 +50,14 @@ pub(super) fn compile(
         }
     }
     let upstreams = upstreams(&mut cx, &raw.upstreams, &routes, &server, store.retention);
+    let egress = super::egress::egress(&mut cx, raw.egress.as_ref());
     if cx.errors.is_empty() {
         Ok(Config {
             origin: origin.to_owned(),
             source: None,
             server,
             store,
+            egress,
             upstreams,
             routes,
         })
@@ -165,6 +167,7 @@ fn upstreams(
         let u = sp.get_ref();
         let Some(url) = cx.s(&u.url) else { continue };
         let shown = redact_url(&url);
+        let (url, url_host) = super::egress::host_url(&url);
         let uri: http::Uri = match url.parse() {
             Ok(uri) => uri,
             Err(e) => {
@@ -284,8 +287,14 @@ fn upstreams(
                 }
             }
         }
+        let hosts = super::egress::hosts(cx, &u.hosts);
+        if url_host && hosts.is_empty() {
+            cx.err(u.url.span(), format!("upstream {name:?}: url has {{host}}, which only an intercepted request has: give the upstream hosts = [...]"));
+        }
         out.push(Arc::new(Upstream {
             name: name.clone(),
+            hosts,
+            url_host,
             scheme,
             authority,
             base_path: uri.path().trim_end_matches('/').to_owned(),

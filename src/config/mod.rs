@@ -7,6 +7,7 @@
 
 pub(super) mod compile;
 mod compiler;
+pub mod egress;
 pub mod raw;
 mod routes;
 mod side_reads;
@@ -18,6 +19,7 @@ pub use crate::key::FingerprintRule;
 pub use crate::redact::redact_url;
 use crate::route::PathPattern;
 use crate::template::Template;
+pub use egress::{EgressConfig, HostPattern};
 use http::{HeaderName, Method};
 pub use routes::intent_only;
 use std::net::SocketAddr;
@@ -34,6 +36,8 @@ pub struct Config {
     pub source: Option<std::path::PathBuf>,
     pub server: ServerConfig,
     pub store: StoreConfig,
+    /// The egress listener (off unless `egress.listen` is set).
+    pub egress: EgressConfig,
     /// In file order... of the TOML table (alphabetical).
     pub upstreams: Vec<Arc<Upstream>>,
     /// Every route in file order.
@@ -140,9 +144,13 @@ impl InFlight {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Upstream {
     pub name: String,
+    /// Hosts whose `CONNECT`s the egress listener intercepts for this upstream.
+    pub hosts: Vec<HostPattern>,
+    /// The URL's host is `{host}`: an intercepted request goes to the host it was for.
+    pub url_host: bool,
     /// Scheme and authority of the upstream.
     pub scheme: http::uri::Scheme,
     pub authority: http::uri::Authority,

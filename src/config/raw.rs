@@ -20,6 +20,18 @@ pub struct RawConfig {
     pub upstreams: BTreeMap<String, Spanned<RawUpstream>>,
     #[serde(default)]
     pub routes: Vec<Spanned<RawRoute>>,
+    pub egress: Option<RawEgress>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawEgress {
+    pub listen: Option<Str>,
+    pub ca_cert: Option<Str>,
+    pub ca_key: Option<Str>,
+    pub tunnel: Option<Vec<Str>>,
+    pub proxy_token: Option<Str>,
+    pub handshake_timeout: Option<Str>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -70,6 +82,7 @@ pub struct RawUpstream {
     pub ca_file: Option<Str>,
     pub scope_headers: Option<Vec<Str>>,
     pub credential_headers: Option<Vec<Str>>,
+    pub hosts: Option<Vec<Str>>,
     pub share_entities: Option<bool>,
     pub error_format: Option<Str>,
     pub mode: Option<Str>,

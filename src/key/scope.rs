@@ -87,14 +87,32 @@ impl ScopeKeyer {
     /// `k1:` + hex HMAC-SHA256 over every credential header of the request (name, length,
     /// value), in the order of `credentials` (an upstream's [`credential_list`]).
     pub fn scope(&self, headers: &HeaderMap, credentials: &[HeaderName]) -> String {
+        self.scope_at(headers, credentials, None)
+    }
+
+    /// [`ScopeKeyer::scope`], and for a request the egress listener intercepted for `host` of
+    /// an upstream that claims several hosts (`*.zendesk.com`), the host after the
+    /// credentials: one account's keys and entities never meet another's.
+    pub fn scope_at(
+        &self,
+        headers: &HeaderMap,
+        credentials: &[HeaderName],
+        host: Option<&str>,
+    ) -> String {
         // The names the request carries, compared with the list (cheap: a request has a few),
         // so only those are looked up; the hash takes them in the list's order, as before.
         let carried = |name: &&HeaderName| headers.keys().any(|k| k == *name);
         let mut names = credentials.iter().filter(carried).peekable();
-        if names.peek().is_none() {
+        if names.peek().is_none() && host.is_none() {
             return self.uncredentialed.clone();
         }
         let mut ctx = ring::hmac::Context::with_key(&self.key);
+        if let Some(host) = host {
+            // A name no header has (a leading colon), so it is never a header's bytes.
+            ctx.update(b":host:");
+            ctx.update(&(host.len() as u64).to_be_bytes());
+            ctx.update(host.as_bytes());
+        }
         for name in names {
             for v in headers.get_all(name) {
                 ctx.update(name.as_str().as_bytes());

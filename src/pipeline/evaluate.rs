@@ -104,6 +104,8 @@ pub struct Input<'a> {
     pub headers: &'a HeaderMap,
     pub body: &'a Bytes,
     pub path_params: &'a [(String, String)],
+    /// The host the egress listener intercepted the request for, if it did.
+    pub host: Option<&'a str>,
 }
 
 /// Evaluates key, fingerprint, entities and version of a buffered request.
@@ -258,7 +260,11 @@ pub fn prepare(
     };
     let id = ScopedKey::new(
         upstream.name.clone(),
-        scoper.scope(input.headers, &upstream.credentials),
+        scoper.scope_at(
+            input.headers,
+            &upstream.credentials,
+            wildcard_host(upstream, input),
+        ),
         key.clone(),
     );
     // Entity locks, versions and claims belong to the caller's credentials unless the
@@ -284,6 +290,17 @@ pub fn prepare(
         reconcile,
         stamped,
         workflow: None,
+    })
+}
+
+/// The intercepted host, when the upstream claims several (`*.zendesk.com`): it is then part of
+/// the scope, as the account the API acts for.
+fn wildcard_host<'a>(upstream: &Upstream, input: &Input<'a>) -> Option<&'a str> {
+    input.host.filter(|_| {
+        upstream
+            .hosts
+            .iter()
+            .any(crate::config::HostPattern::is_wildcard)
     })
 }
 

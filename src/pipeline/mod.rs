@@ -62,13 +62,13 @@ pub async fn run(
     crate::upstream::strip_hop_by_hop(req.headers_mut());
     let plan = match prepare::plan_key(target.upstream, route, req.headers()) {
         Ok(KeyPlan::Unprotected) => {
-            let client = state.client(target.upstream)?;
-            return crate::upstream::passthrough(client, target, req).await;
+            let client = state.client_for(target)?;
+            return crate::upstream::passthrough(&client, target, req).await;
         }
         plan => plan,
     };
     state.stats.on_protected();
-    let mut ctx = Ctx::new(state, route, target.upstream)?;
+    let mut ctx = Ctx::new(state, route, target)?;
     let observe = route.mode == Mode::Observe;
     let prepared = match plan {
         Ok(plan) => prepare::step(&mut ctx, plan, params, target, req).await,
@@ -217,16 +217,12 @@ pub struct Ctx {
 }
 
 impl Ctx {
-    fn new(
-        state: &Arc<AppState>,
-        route: &Arc<Route>,
-        upstream: &Arc<Upstream>,
-    ) -> ProxyResult<Ctx> {
+    fn new(state: &Arc<AppState>, route: &Arc<Route>, target: &Target<'_>) -> ProxyResult<Ctx> {
         Ok(Ctx {
             state: state.clone(),
             route: route.clone(),
-            upstream: upstream.clone(),
-            client: state.client(upstream)?.clone(),
+            upstream: target.upstream.clone(),
+            client: state.client_for(target)?,
             prepared: Prepared::default(),
             evaluated: false,
             unsent: None,

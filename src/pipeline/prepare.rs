@@ -41,6 +41,7 @@ pub(super) async fn step(
         headers: &parts.headers,
         body: &body,
         path_params: &params,
+        host: target.host,
     };
     // Read first: a request refused here is an audit row too, and says who sent it.
     let workflow = workflow(server.workflow_header.as_ref(), &parts.headers);

@@ -16,6 +16,10 @@ pub struct Target<'a> {
     /// Upstream-relative path (no query).
     pub path: &'a str,
     pub query: Option<&'a str>,
+    /// The host an egress request was intercepted for (`None` on the other listeners): an
+    /// upstream whose URL is `https://{host}` is sent there, and a wildcard upstream's keys
+    /// and entities are scoped by it.
+    pub host: Option<&'a str>,
 }
 
 impl Target<'_> {

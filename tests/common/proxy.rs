@@ -115,6 +115,8 @@ pub struct TestProxy {
     server: Option<Server>,
     pub main_addr: SocketAddr,
     pub admin_addr: Option<SocketAddr>,
+    /// The egress listener, when the config turns it on.
+    pub egress_addr: Option<SocketAddr>,
     /// The config text as started (with `store.url`), reused by `restart`.
     pub config_text: String,
     /// Keeps the database alive for the proxy's lifetime and across `restart`.
@@ -148,6 +150,7 @@ impl TestProxy {
         TestProxy {
             main_addr: server.main_addr,
             admin_addr: server.admin_addr,
+            egress_addr: server.egress_addr,
             server: Some(server),
             config_text: dir.config_text(toml),
             dir,
@@ -183,6 +186,7 @@ impl TestProxy {
         Ok(TestProxy {
             main_addr: server.main_addr,
             admin_addr: server.admin_addr,
+            egress_addr: server.egress_addr,
             server: Some(server),
             config_text: text,
             dir,
