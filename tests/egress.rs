@@ -12,7 +12,8 @@ use std::process::Command;
 /// A proxy on the shipped `proxy.toml` with its egress listener on, a CA made for the test,
 /// and each API at a fake. `extra` replaces text in the shipped file.
 struct Egress {
-    proxy: TestProxy,
+    /// Kept running for the test's length.
+    _proxy: TestProxy,
     ca: PathBuf,
     addr: SocketAddr,
 }
@@ -57,7 +58,11 @@ async fn egress(apis: &[(&str, String)], extra: &[(&str, &str)]) -> Egress {
     ]);
     let proxy = TestProxy::start_in(dir, &shipped(&all, extra)).await;
     let addr = proxy.egress_addr.expect("the egress listener is on");
-    Egress { proxy, ca, addr }
+    Egress {
+        _proxy: proxy,
+        ca,
+        addr,
+    }
 }
 
 /// curl through the egress listener: status, headers (lower-case text) and body.
@@ -92,7 +97,7 @@ fn curl(e: &Egress, args: &[&str]) -> (u16, String, String) {
 
 const CONTACT: &str = "https://api.hubapi.com/crm/v3/objects/contacts/9801";
 
-fn patch_contact<'a>(version: &'a str) -> Vec<&'a str> {
+fn patch_contact(version: &str) -> Vec<&str> {
     vec![
         version,
         "-X",
