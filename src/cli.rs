@@ -211,14 +211,36 @@ fn check(config: &Config) -> anyhow::Result<()> {
         config.store.display_url(),
         config.store.encryption_summary()
     );
+    let egress = &config.egress;
+    match egress.listen {
+        None => println!("egress: off"),
+        Some(addr) => {
+            let tunnel: Vec<String> = egress.tunnel.iter().map(|t| t.to_string()).collect();
+            println!(
+                "egress: listen={addr} ca={} tunnel=[{}] proxy_token={}",
+                egress.ca_cert.display(),
+                tunnel.join(", "),
+                if egress.proxy_token.is_some() {
+                    "set"
+                } else {
+                    "none"
+                }
+            );
+        }
+    }
     for u in &config.upstreams {
         let at = u.prefix.as_deref().unwrap_or("-");
+        let hosts: Vec<String> = u.hosts.iter().map(|h| h.to_string()).collect();
+        let authority = match u.url_host {
+            true => "{host}".to_owned(),
+            false => u.authority.to_string(),
+        };
         println!(
-            "upstream {}: {}://{}{} prefix={at} unmatched={} error_format={}",
+            "upstream {}: {}://{authority}{} prefix={at} hosts=[{}] unmatched={} error_format={}",
             u.name,
             u.scheme,
-            u.authority,
             u.base_path,
+            hosts.join(", "),
             u.unmatched.as_str(),
             u.error_format.as_str()
         );

@@ -6,7 +6,7 @@ mod common;
 
 use common::*;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
 /// A proxy on the shipped `proxy.toml` with its egress listener on, a CA made for the test,
@@ -16,33 +16,6 @@ struct Egress {
     _proxy: TestProxy,
     ca: PathBuf,
     addr: SocketAddr,
-}
-
-fn shipped(apis: &[(&str, String)], extra: &[(&str, &str)]) -> String {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("proxy.toml");
-    let text = std::fs::read_to_string(path).expect("read the shipped proxy.toml");
-    let mut text = text.replacen("url = \"sqlite://idemproxy.db\"\n", "", 1);
-    let mut set = |var: &str, value: &str| {
-        let open = format!("${{{var}:-");
-        let start = text
-            .find(&open)
-            .unwrap_or_else(|| panic!("{var} in proxy.toml"));
-        let end = start + text[start..].find('}').expect("a closing brace");
-        // `{host}` inside a default: take the default's own closing brace too.
-        let end = match text[start..=end].ends_with("{host}") {
-            true => end + 1 + text[end + 1..].find('}').expect("the default's brace"),
-            false => end,
-        };
-        text.replace_range(start..=end, value);
-    };
-    for (var, url) in apis {
-        set(var, url);
-    }
-    for (from, to) in extra {
-        assert!(text.contains(from), "{from:?} in proxy.toml");
-        text = text.replacen(from, to, 1);
-    }
-    text
 }
 
 async fn egress(apis: &[(&str, String)], extra: &[(&str, &str)]) -> Egress {
@@ -56,7 +29,7 @@ async fn egress(apis: &[(&str, String)], extra: &[(&str, &str)]) -> Egress {
         ("IDEMPROXY_CA_CERT", ca.display().to_string()),
         ("IDEMPROXY_CA_KEY", key.display().to_string()),
     ]);
-    let proxy = TestProxy::start_in(dir, &shipped(&all, extra)).await;
+    let proxy = TestProxy::start_in(dir, &shipped_text(&all, extra)).await;
     let addr = proxy.egress_addr.expect("the egress listener is on");
     Egress {
         _proxy: proxy,

@@ -74,6 +74,20 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 
 /// Expands `${VAR}` and `${VAR:-default}`; an unset `${VAR}` without default is an error.
 /// `$$` is a literal `$` so a value can still contain `${` when it must.
+/// The index of the `}` that closes a brace already open at the start of `s`.
+fn closing(s: &str) -> Option<usize> {
+    let mut depth = 0usize;
+    for (i, c) in s.char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' if depth == 0 => return Some(i),
+            '}' => depth -= 1,
+            _ => {}
+        }
+    }
+    None
+}
+
 pub fn expand_env(s: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<String, String> {
     if !s.contains('$') {
         return Ok(s.to_owned());
@@ -87,9 +101,9 @@ pub fn expand_env(s: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<St
             out.push('$');
             rest = stripped;
         } else if let Some(inner) = after.strip_prefix('{') {
-            let end = inner
-                .find('}')
-                .ok_or_else(|| format!("unterminated ${{...}} in {s:?}"))?;
+            // The closing brace of this `${`: a default may hold braces of its own
+            // (`${ZENDESK_API_URL:-https://{host}}`).
+            let end = closing(inner).ok_or_else(|| format!("unterminated ${{...}} in {s:?}"))?;
             let expr = &inner[..end];
             let (name, default) = match expr.split_once(":-") {
                 Some((n, d)) => (n, Some(d)),
@@ -164,5 +178,11 @@ mod tests {
         assert_eq!(expand_env("$$x", &env).unwrap(), "$x");
         assert!(expand_env("${B}", &env).is_err());
         assert!(expand_env("${A", &env).is_err());
+        // A default may hold braces of its own.
+        assert_eq!(
+            expand_env("${B:-https://{host}}", &env).unwrap(),
+            "https://{host}"
+        );
+        assert_eq!(expand_env("${A:-https://{host}}/x", &env).unwrap(), "x/x");
     }
 }

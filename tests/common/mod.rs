@@ -41,7 +41,7 @@ pub use client::{
 #[allow(unused_imports)]
 pub use process::{cli, faults_binary, shipped_proxy, ProxyProcess};
 #[allow(unused_imports)]
-pub use proxy::{TestDir, TestProxy};
+pub use proxy::{shipped_text, TestDir, TestProxy};
 #[allow(unused_imports)]
 pub use tls::TestCa;
 #[allow(unused_imports)]

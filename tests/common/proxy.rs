@@ -263,3 +263,41 @@ impl TestProxy {
         }
     }
 }
+
+/// The shipped `proxy.toml` as text, its store left to the harness (the test's directory),
+/// each `${VAR:-default}` named in `vars` set to the value given, then each `(from, to)` of
+/// `extra` replaced once. For [`TestProxy::start`] on the shipped rules.
+pub fn shipped_text(vars: &[(&str, String)], extra: &[(&str, &str)]) -> String {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("proxy.toml");
+    let shipped = std::fs::read_to_string(path).expect("read the shipped proxy.toml");
+    let store = "url = \"sqlite://idemproxy.db\"\n";
+    assert!(shipped.contains(store), "the shipped store url");
+    let mut text = shipped.replacen(store, "", 1);
+    for (var, value) in vars {
+        let open = format!("${{{var}:-");
+        let start = text
+            .find(&open)
+            .unwrap_or_else(|| panic!("{var} in proxy.toml"));
+        // The brace that closes `${`, past any in the default (`https://{host}`).
+        let mut depth = 0usize;
+        let close = text[start + 2..].char_indices().find(|&(_, c)| match c {
+            '{' => {
+                depth += 1;
+                false
+            }
+            '}' if depth == 0 => true,
+            '}' => {
+                depth -= 1;
+                false
+            }
+            _ => false,
+        });
+        let end = start + 2 + close.expect("a closing brace").0;
+        text.replace_range(start..=end, value);
+    }
+    for (from, to) in extra {
+        assert!(text.contains(from), "{from:?} in proxy.toml");
+        text = text.replacen(from, to, 1);
+    }
+    text
+}
