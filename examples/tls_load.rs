@@ -102,7 +102,11 @@ async fn main() -> Result<(), Err> {
             let mut lat = Vec::new();
             while Instant::now() < deadline {
                 let key = match a.unique {
-                    true => format!("k-{}-{}", std::process::id(), seq.fetch_add(1, Ordering::Relaxed)),
+                    true => format!(
+                        "k-{}-{}",
+                        std::process::id(),
+                        seq.fetch_add(1, Ordering::Relaxed)
+                    ),
                     false => "k-replayed".to_owned(),
                 };
                 let req = http::Request::builder()
@@ -129,7 +133,11 @@ async fn main() -> Result<(), Err> {
         all.extend(t.await??);
     }
     all.sort_unstable();
-    let pct = |p: f64| all.get(((all.len() as f64 * p) as usize).min(all.len().saturating_sub(1))).copied().unwrap_or(0);
+    let pct = |p: f64| {
+        all.get(((all.len() as f64 * p) as usize).min(all.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
+    };
     println!(
         "{{\"requests\": {}, \"seconds\": {}, \"rps\": {:.0}, \"p50_us\": {}, \"p99_us\": {}}}",
         all.len(),

@@ -51,6 +51,7 @@ pub(super) fn compile(
     }
     let upstreams = upstreams(&mut cx, &raw.upstreams, &routes, &server, store.retention);
     let egress = super::egress::egress(&mut cx, raw.egress.as_ref());
+    super::egress::check_claims(&mut cx, &raw.upstreams);
     if cx.errors.is_empty() {
         Ok(Config {
             origin: origin.to_owned(),
@@ -215,10 +216,11 @@ fn upstreams(
             .as_ref()
             .filter(|l| cx.s(l).is_some_and(|s| !s.is_empty()))
             .and_then(|l| cx.addr(l));
-        if prefix.is_none() && listen.is_none() && u.prefix.is_none() {
+        let claims = u.hosts.as_ref().is_some_and(|h| !h.is_empty());
+        if prefix.is_none() && listen.is_none() && u.prefix.is_none() && !claims {
             cx.err(
                 sp.span(),
-                format!("upstream {name:?} needs a prefix or a listen address"),
+                format!("upstream {name:?} needs a prefix, a listen address or hosts for the egress listener"),
             );
         }
         // Port 0 asks the OS for a free port: it never collides with another listener.

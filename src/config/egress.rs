@@ -129,6 +129,29 @@ pub(super) fn host_url(url: &str) -> (String, bool) {
     }
 }
 
+/// Two upstreams may not claim one host: which routes a request runs through would depend on
+/// the file's order.
+pub(super) fn check_claims(
+    cx: &mut Compiler,
+    raw: &std::collections::BTreeMap<String, toml::Spanned<super::raw::RawUpstream>>,
+) {
+    let mut seen: Vec<(HostPattern, &str)> = Vec::new();
+    for (name, u) in raw {
+        for h in u.get_ref().hosts.iter().flatten() {
+            let Ok(p) = HostPattern::parse(h.get_ref()) else {
+                continue;
+            };
+            match seen.iter().find(|(q, _)| *q == p) {
+                Some((_, other)) => cx.err(
+                    h.span(),
+                    format!("host {p} is claimed by upstreams {other:?} and {name:?}: one upstream per host"),
+                ),
+                None => seen.push((p, name)),
+            }
+        }
+    }
+}
+
 pub(super) fn egress(cx: &mut Compiler, raw: Option<&RawEgress>) -> EgressConfig {
     let mut out = EgressConfig::default();
     let Some(raw) = raw else { return out };
