@@ -93,6 +93,10 @@ enum KeysCommand {
         /// What you checked and found (kept in the audit trail).
         #[arg(long)]
         note: Option<String>,
+        /// Also release a completed key: its stored answer is dropped and the next identical
+        /// request is forwarded again — a second write at the upstream. Needs --note.
+        #[arg(long)]
+        force: bool,
         #[command(flatten)]
         which: crate::cli_settle::Which,
     },
@@ -376,8 +380,14 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
             }
             None => Err(anyhow::anyhow!("no key {key:?}")),
         },
-        KeysCommand::Release { key, note, which } => {
-            crate::cli_settle::release(&config, store.clone(), &key, note.as_deref(), which).await
+        KeysCommand::Release {
+            key,
+            note,
+            force,
+            which,
+        } => {
+            let asked = (note.as_deref(), force);
+            crate::cli_settle::release(&config, store.clone(), &key, asked, which).await
         }
         KeysCommand::Complete { key, asked } => {
             crate::cli_settle::complete(&config, store.clone(), &key, asked).await

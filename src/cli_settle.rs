@@ -59,17 +59,17 @@ fn settler(config: &Config, store: Arc<dyn Store>) -> Settler<'_> {
     }
 }
 
-/// `keys release KEY [--note TEXT] [--upstream U] [--scope S]`.
+/// `keys release KEY [--note TEXT] [--force] [--upstream U] [--scope S]`.
 pub async fn release(
     config: &Config,
     store: Arc<dyn Store>,
     key: &str,
-    note: Option<&str>,
+    (note, force): (Option<&str>, bool),
     which: Which,
 ) -> anyhow::Result<()> {
     let note = settle::note(note, false).map_err(explain)?;
     let settled = settler(config, store.clone())
-        .release(key, &which.pick(), note)
+        .release(key, &which.pick(), note, force)
         .await
         .map_err(explain)?;
     let n = settled.audit.len();
@@ -158,6 +158,7 @@ fn explain(r: Refused) -> anyhow::Error {
         })
         .collect();
     match (&r, list.is_empty()) {
+        (Refused::Answered(_), _) => anyhow::anyhow!("{r}: --force --note TEXT"),
         (Refused::Store(_), _) | (_, true) => anyhow::anyhow!("{r}"),
         (_, false) => anyhow::anyhow!("{r}:\n{}", list.join("\n")),
     }

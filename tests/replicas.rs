@@ -572,8 +572,8 @@ async fn a_release_on_one_replica_reaches_every_replay_cache() {
     let released = request(
         "POST",
         &ps[0].admin_url("/admin/keys/rel-1/release"),
-        &[],
-        "",
+        &[("content-type", "application/json")],
+        r#"{"force": true, "note": "drop the stored answer"}"#,
     )
     .await;
     released.assert_status(200);

@@ -544,10 +544,25 @@ async fn admin_listener_health_metrics_and_keys() {
         .text();
     assert!(metrics.contains("idemproxy_forwards_total 1"), "{metrics}");
 
-    // Release: unauthorized changes nothing; with the token the key is forwardable again.
+    // Release: unauthorized changes nothing; a completed key is released only on purpose
+    // (`force`, with a note), and is then forwardable again.
     unauthorized(admin(p, "POST", "/admin/keys/k-adm/release", None).await);
     assert_eq!(charge().await.replayed(), Some(true));
-    let released = admin(p, "POST", "/admin/keys/k-adm/release", Some("t0ken")).await;
+    let unforced = admin(p, "POST", "/admin/keys/k-adm/release", Some("t0ken")).await;
+    assert_proxy_error(&unforced, 409, "not_settleable");
+    assert!(unforced.text().contains("force"), "{}", unforced.text());
+    assert_eq!(charge().await.replayed(), Some(true), "nothing was dropped");
+    let forced = serde_json::json!({"force": true, "note": "a wrong answer was stored"});
+    let released = request(
+        "POST",
+        &p.admin_url("/admin/keys/k-adm/release"),
+        &[
+            ("authorization", "Bearer t0ken"),
+            ("content-type", "application/json"),
+        ],
+        forced.to_string(),
+    )
+    .await;
     assert_eq!(released.assert_status(200).json()["released"], 1);
     let again = charge().await;
     assert_eq!(again.replayed(), Some(false));

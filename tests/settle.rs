@@ -376,3 +376,42 @@ async fn without_a_token_no_other_site_settles_a_key() {
     charge(&proxy, "site-1", "Bearer a").await;
     assert_eq!(upstream.count(), 2, "forwarded once after the release");
 }
+
+/// `keys release` on a completed key would drop its stored answer and let the next identical
+/// request write again: refused (admin API and CLI) unless forced with a note, and audited.
+#[tokio::test]
+async fn a_completed_key_is_released_only_when_forced_with_a_note() {
+    let upstream = RecordingUpstream::start().await;
+    let proxy = TestProxy::start(&config(&upstream, "")).await;
+    let first = charge(&proxy, "paid-1", "Bearer a").await;
+    first.assert_status(200);
+    assert_eq!(upstream.count(), 1);
+
+    let unforced = admin_post(&proxy, "/admin/keys/paid-1/release", &json!({"note": "x"})).await;
+    unforced.assert_status(409);
+    assert_eq!(unforced.error_type(), Some("not_settleable"));
+    assert!(unforced.text().contains("force"), "{}", unforced.text());
+    let (ok, out) = keys(&proxy, &["keys", "release", "paid-1"]).await;
+    assert!(!ok && out.contains("--force"), "{out}");
+    let (ok, out) = keys(&proxy, &["keys", "release", "paid-1", "--force"]).await;
+    assert!(
+        !ok && out.contains("note"),
+        "a forced release needs a note: {out}"
+    );
+    let retry = charge(&proxy, "paid-1", "Bearer a").await;
+    assert_eq!(retry.replayed(), Some(true), "nothing was dropped");
+    assert_eq!(upstream.count(), 1);
+
+    let note = "the stored answer was a test charge";
+    let (ok, out) = keys(
+        &proxy,
+        &["keys", "release", "paid-1", "--force", "--note", note],
+    )
+    .await;
+    assert!(ok, "{out}");
+    let row = audit_row(&proxy, "paid-1", "answer_dropped_by_operator").await;
+    assert_eq!(row["note"], note, "{row}");
+    let again = charge(&proxy, "paid-1", "Bearer a").await;
+    assert_eq!(again.replayed(), Some(false), "forwarded again, on purpose");
+    assert_eq!(upstream.count(), 2);
+}

@@ -25,7 +25,20 @@ pub async fn act(
     };
     let (released, settled) = match act {
         "release" => {
-            let settled = settler.release(key, &pick, note).await.map_err(refused)?;
+            let force = match body.get("force") {
+                None | Some(Value::Null) => false,
+                Some(Value::Bool(b)) => *b,
+                Some(_) => {
+                    return Err(ProxyError::new(
+                        ErrorKind::BodyInvalid,
+                        "force must be true or false",
+                    ))
+                }
+            };
+            let settled = settler
+                .release(key, &pick, note, force)
+                .await
+                .map_err(refused)?;
             (Some(settled.audit.len()), settled)
         }
         "complete" => {
@@ -126,13 +139,16 @@ pub fn refused(r: Refused) -> ProxyError {
     let kind = match &r {
         Refused::Store(e) => return ProxyError::store(e),
         Refused::NoKey => ErrorKind::NotFound,
-        Refused::NotUnknown(_) | Refused::Ambiguous(_) => ErrorKind::NotSettleable,
+        Refused::NotUnknown(_) | Refused::Ambiguous(_) | Refused::Answered(_) => {
+            ErrorKind::NotSettleable
+        }
         Refused::Invalid(_) => ErrorKind::BodyInvalid,
         Refused::Busy => ErrorKind::EntityBusy,
     };
     let records: Vec<Value> = r.records().iter().map(record_json).collect();
     let message = match &r {
         Refused::Ambiguous(_) => format!("{r}: give `upstream` and `scope` in the body"),
+        Refused::Answered(_) => format!("{r}: {{\"force\": true, \"note\": \"...\"}}"),
         _ => r.to_string(),
     };
     match records.is_empty() {

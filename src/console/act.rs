@@ -31,7 +31,9 @@ pub async fn release(state: &AppState, form: &Form) -> Response<ProxyBody> {
         // The record the form was drawn for, and only while its outcome is still unknown
         // (checked under the entity locks): a page read a minute ago must not drop an answer
         // a retry or a reconcile read has stored since, nor another caller's record.
-        let settled = Settler::of(state).release(key, &pick(form), note).await?;
+        let settled = Settler::of(state)
+            .release(key, &pick(form), note, false)
+            .await?;
         match settled.audit.is_empty() {
             true => Err(Refused::NotUnknown(settled.records)),
             false => Ok(settled.audit),
@@ -131,12 +133,15 @@ async fn audited(state: &AppState, key: &str, (at, decision): (i64, String)) {
 fn refusal(key: &str, r: Refused) -> Response<ProxyBody> {
     let status = match &r {
         Refused::NoKey => StatusCode::NOT_FOUND,
-        Refused::NotUnknown(_) | Refused::Ambiguous(_) | Refused::Busy => StatusCode::CONFLICT,
+        Refused::NotUnknown(_) | Refused::Ambiguous(_) | Refused::Answered(_) | Refused::Busy => {
+            StatusCode::CONFLICT
+        }
         Refused::Invalid(_) => StatusCode::BAD_REQUEST,
         Refused::Store(_) => StatusCode::SERVICE_UNAVAILABLE,
     };
     let message = match &r {
         Refused::Ambiguous(_) => format!("{r}: settle it from the record's own form."),
+        Refused::Answered(_) => format!("{r}, with `idemproxy keys release --force --note`."),
         _ => format!("{r}."),
     };
     let records = r.records();

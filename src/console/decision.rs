@@ -52,7 +52,9 @@ pub fn kind(decision: &str) -> Kind {
         "replayed" => Kind::Replayed,
         "unknown" => Kind::Unknown,
         "released" => Kind::Released,
-        "released_by_operator" | "completed_by_operator" => Kind::Operator,
+        "released_by_operator" | "completed_by_operator" | "answer_dropped_by_operator" => {
+            Kind::Operator
+        }
         d if d.starts_with("reconcile") => Kind::Reconciled,
         d if d.starts_with("observed:") => Kind::Observed,
         _ => Kind::Refused,
@@ -89,6 +91,7 @@ pub fn why(row: &AuditRow) -> String {
         "reconciled_not_found" => format!("a reconcile read{status} did not find the lost write: the retry is sent"),
         "reconcile_failed" => format!("a reconcile read{status} could not tell whether the lost write happened"),
         "released_by_operator" => "an operator found the write did not happen: the next retry is sent".into(),
+        "answer_dropped_by_operator" => "an operator dropped the stored answer on purpose: the next identical request is sent again".into(),
         "completed_by_operator" => format!("an operator found the write happened and stored its answer{status}: retries get it, nothing is sent"),
         "stale_version" => "its version was not newer than the one already accepted: never sent".into(),
         "entity_claimed" => "another execution holds the entity's claim: never sent".into(),

@@ -64,6 +64,9 @@ pub enum Refused {
     NotUnknown(Vec<KeyRecord>),
     /// Several records carry the key: `upstream` and `scope` must pick one (`409`).
     Ambiguous(Vec<KeyRecord>),
+    /// The key is completed: releasing it would drop the answer its retries get, and the next
+    /// identical request would be forwarded — a second write. Only on purpose: `force` (`409`).
+    Answered(Vec<KeyRecord>),
     /// The pasted answer or the note is not usable (`400`).
     Invalid(String),
     /// The key's entities stayed locked by requests in flight (`409`).
@@ -81,7 +84,7 @@ impl Refused {
     /// The records that explain the refusal, if any.
     pub fn records(&self) -> &[KeyRecord] {
         match self {
-            Refused::NotUnknown(rs) | Refused::Ambiguous(rs) => rs,
+            Refused::NotUnknown(rs) | Refused::Ambiguous(rs) | Refused::Answered(rs) => rs,
             _ => &[],
         }
     }
@@ -95,6 +98,12 @@ impl fmt::Display for Refused {
             Refused::NotUnknown(_) => f.write_str(
                 "only a key whose outcome is unknown (or whose call's lease lapsed) can be settled; \
                  this one's is known, or its call may still be running",
+            ),
+            Refused::Answered(_) => f.write_str(
+                "the key is completed: its retries get the stored answer. Releasing it drops that \
+                 answer, and the next identical request is forwarded again — a second write at \
+                 the upstream. To do that on purpose (a wrong answer was stored), force it with a \
+                 note",
             ),
             Refused::Ambiguous(_) => f.write_str(
                 "several records carry this key (other upstreams or credential scopes): \
@@ -147,14 +156,16 @@ impl<'a> Settler<'a> {
 
     /// The write did not happen: the picked record of `key` becomes forwardable, if its
     /// outcome is still unknown once its entities are locked (an answer a retry or a
-    /// reconcile read stored meanwhile stands). Kept from before an operator could complete a
-    /// key: when one record alone carries the key and no pick is given, a stored answer is
-    /// dropped too and the next retry is forwarded. A released record stays as it is (no row).
+    /// reconcile read stored meanwhile stands). With `force` (and a note), when one record
+    /// alone carries the key, a completed one's stored answer is dropped too and the next
+    /// identical request is forwarded: a second write, on purpose (audited as
+    /// `answer_dropped_by_operator`). A released record stays as it is (no row).
     pub async fn release(
         &self,
         key: &str,
         pick: &Pick,
         note: Option<String>,
+        force: bool,
     ) -> Result<Settled, Refused> {
         let records = self.store.find_key(key).await?;
         let record = choose(&records, pick)?;
@@ -170,6 +181,12 @@ impl<'a> Settler<'a> {
                 held.unlock().await;
                 done?
             }
+            KeyState::Completed if !force => return Err(Refused::Answered(vec![record.clone()])),
+            KeyState::Completed if note.is_none() => {
+                return Err(Refused::Invalid(
+                    "a forced release drops a stored answer: a note is required, saying why".into(),
+                ))
+            }
             KeyState::Completed if whole => {
                 let held = self.lock(&record.entities).await?;
                 let released = self.store.release_key(key).await;
@@ -184,8 +201,12 @@ impl<'a> Settler<'a> {
             // A retry took it over, or another operator settled it, meanwhile.
             return Err(Refused::NotUnknown(now));
         }
+        let decision = match state {
+            KeyState::Completed => "answer_dropped_by_operator",
+            _ => "released_by_operator",
+        };
         let audit = match done {
-            true => vec![self.row(record, "released_by_operator", None, note)],
+            true => vec![self.row(record, decision, None, note)],
             false => Vec::new(),
         };
         tracing::info!(key, upstream = %record.id.upstream, released = done, "key released by an operator");
