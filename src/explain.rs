@@ -35,17 +35,17 @@ pub fn explain(
     // As the server does: what is never forwarded decides nothing.
     crate::upstream::strip_hop_by_hop(&mut hm);
     let body = body.unwrap_or_default();
-    if !hm.contains_key(http::header::CONTENT_TYPE) && !body.is_empty() {
-        let ct = if serde_json::from_slice::<serde_json::Value>(&body).is_ok() {
-            "application/json"
-        } else {
-            "application/x-www-form-urlencoded"
-        };
-        hm.insert(http::header::CONTENT_TYPE, HeaderValue::from_static(ct));
-    }
     let mut out = String::new();
     let w = &mut out;
     let _ = writeln!(w, "request:     {method} {url}");
+    // The body is read as the proxy reads it, by its Content-Type alone: a dry run that
+    // guessed would call protected what the proxy refuses.
+    if !hm.contains_key(http::header::CONTENT_TYPE) && !body.is_empty() {
+        let _ = writeln!(
+            w,
+            "note:        no Content-Type: the proxy reads this body as neither JSON nor a form; add -H 'Content-Type: ...' as your client sends it"
+        );
+    }
     let (upstream, rel, action) = match resolve(config, &Listener::Main, &method, uri.path()) {
         Ok(r) => r,
         Err(e) => {

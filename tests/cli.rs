@@ -260,6 +260,8 @@ fn explain_shows_upstream_key_fingerprint_and_entity() {
     let json_out = explain(&[
         "-H",
         "Idempotency-Key: k1",
+        "-H",
+        "Content-Type: application/json",
         "--body",
         r#"{"customer":"cus_1"}"#,
     ]);
@@ -279,28 +281,40 @@ fn explain_shows_upstream_key_fingerprint_and_entity() {
         fingerprint.len() == 64 && fingerprint.bytes().all(|b| b.is_ascii_hexdigit()),
         "{json_out}"
     );
-    // Same request with the content type spelled out: same fingerprint.
-    let typed = explain(&[
+    // Without a Content-Type the dry run reads the body as the proxy does: as neither JSON nor
+    // a form, so a route that reads it refuses it, saying what to send.
+    let untyped = explain(&[
         "-H",
         "Idempotency-Key: k1",
-        "-H",
-        "Content-Type: application/json",
         "--body",
         r#"{"customer":"cus_1"}"#,
     ]);
-    assert_eq!(explain_field(&typed, "fingerprint"), fingerprint);
+    assert!(untyped.contains("refused: 400 body_invalid"), "{untyped}");
+    assert!(
+        untyped.contains("Content-Type: application/json"),
+        "{untyped}"
+    );
 
-    // A body that is not JSON reads as a form; without a header key the key is derived.
-    let form = explain(&["--body", "customer=cus_2&amount=100"]);
+    // A form; without a header key the key is derived.
+    let form_type = "Content-Type: application/x-www-form-urlencoded";
+    let form = explain(&["-H", form_type, "--body", "customer=cus_2&amount=100"]);
     assert!(explain_field(&form, "entities").starts_with("customer:cus_2@"));
     assert!(explain_field(&form, "key").ends_with("(derived)"), "{form}");
     assert_ne!(explain_field(&form, "fingerprint"), fingerprint);
 
     let file = dir.write_file("body.json", r#"{"customer": "cus_3", "amount": 5}"#);
-    let from_file = explain(&["--body", &format!("@{}", file.display())]);
+    let json_type = "Content-Type: application/json";
+    let from_file = explain(&["-H", json_type, "--body", &format!("@{}", file.display())]);
     assert!(explain_field(&from_file, "entities").starts_with("customer:cus_3@"));
 
-    let missing = explain(&["-H", "Idempotency-Key: k2", "--body", r#"{"amount":1}"#]);
+    let missing = explain(&[
+        "-H",
+        "Idempotency-Key: k2",
+        "-H",
+        json_type,
+        "--body",
+        r#"{"amount":1}"#,
+    ]);
     assert!(missing.contains("refused: 400 entity_missing"), "{missing}");
     assert!(missing.contains("{body.customer}"), "{missing}");
 
@@ -311,6 +325,8 @@ fn explain_shows_upstream_key_fingerprint_and_entity() {
         &cfg,
         "POST",
         "/api/v1/charges",
+        "-H",
+        "Content-Type: application/json",
         "--body",
         &format!("@{}", gone.display()),
     ]);
@@ -392,6 +408,8 @@ async fn keys_show_list_and_release_a_stored_key() {
         "Idempotency-Key: k-secret",
         "-H",
         "Authorization: Bearer SECRET123",
+        "-H",
+        "Content-Type: application/json",
         "--body",
         &body1.to_string(),
     ]);
@@ -430,7 +448,22 @@ async fn keys_show_list_and_release_a_stored_key() {
             .replayed(),
         Some(true)
     );
-    let release = idemproxy(&["keys", "release", "k-secret", "--config", &cfg]);
+    // A completed key is released only on purpose.
+    let refused = idemproxy(&["keys", "release", "k-secret", "--config", &cfg]);
+    assert_exit(&refused, 1);
+    assert!(
+        all_output(&refused).contains("--force"),
+        "{}",
+        all_output(&refused)
+    );
+    let note = ["--force", "--note", "a test answer"];
+    let release = idemproxy(
+        &[
+            &["keys", "release", "k-secret", "--config", &cfg][..],
+            &note,
+        ]
+        .concat(),
+    );
     assert_exit(&release, 0);
     assert!(list(&["--state", "released"]).starts_with("k-secret\t"));
     let again = post_json(&url, Some("k-secret"), &body1, &secret).await;
@@ -609,6 +642,8 @@ fn check_and_explain_show_each_routes_mode() {
         "/api/v1/charges",
         "-H",
         "Idempotency-Key: k1",
+        "-H",
+        "Content-Type: application/json",
         "--body",
         r#"{"customer":"cus_1"}"#,
     ]);
@@ -637,6 +672,8 @@ fn explain_shows_the_reconcile_read_and_check_lists_it() {
         &shipped,
         "POST",
         "/hubspot/crm/v3/objects/contacts",
+        "-H",
+        "Content-Type: application/json",
         "--body",
         r#"{"properties":{"email":"ada@example.com","firstname":"Ada"}}"#,
     ]);
@@ -655,6 +692,8 @@ fn explain_shows_the_reconcile_read_and_check_lists_it() {
         "/hubspot/crm/v3/objects/contacts/42",
         "-H",
         "X-Workflow-Id: wf-1",
+        "-H",
+        "Content-Type: application/json",
         "--body",
         r#"{"properties":{"firstname":"Ada"}}"#,
     ]);
@@ -698,6 +737,8 @@ fn check_and_explain_print_settings_in_the_configs_own_spelling() {
         "/api/v1/charges",
         "-H",
         "Idempotency-Key: k1",
+        "-H",
+        "Content-Type: application/json",
         "--body",
         r#"{"customer":"cus_1"}"#,
     ]);

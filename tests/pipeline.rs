@@ -685,3 +685,38 @@ async fn a_deeply_nested_form_is_refused_and_the_proxy_lives_on() {
         .await
         .assert_status(200);
 }
+
+/// A body the route reads, sent without a Content-Type or as a form (curl's `-d`), is refused
+/// with what was read and what to send; nothing is forwarded.
+#[tokio::test]
+async fn a_body_refusal_says_how_it_was_read_and_what_to_send() {
+    let upstream = RecordingUpstream::start().await;
+    let routes = route("forms", "/things", "entity = \"thing:{body.id}\"");
+    let proxy = start(&upstream, "", &routes).await;
+    let url = proxy.url("/api/things");
+    let json_body = r#"{"id":"t1"}"#;
+    let untyped = request("POST", &url, &[("idempotency-key", "b1")], json_body).await;
+    assert_error(&untyped, 400, "body_invalid");
+    assert!(
+        untyped.text().contains("no Content-Type"),
+        "{}",
+        untyped.text()
+    );
+    assert!(
+        untyped.text().contains("application/json"),
+        "{}",
+        untyped.text()
+    );
+    let form = [
+        ("idempotency-key", "b2"),
+        ("content-type", "application/x-www-form-urlencoded"),
+    ];
+    let as_form = request("POST", &url, &form, json_body).await;
+    assert_error(&as_form, 400, "entity_missing");
+    assert!(
+        as_form.text().contains("looks like JSON"),
+        "{}",
+        as_form.text()
+    );
+    assert_eq!(upstream.count(), 0);
+}

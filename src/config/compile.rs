@@ -23,7 +23,12 @@ pub(super) fn compile(
             errors: vec![],
         };
         ConfigError {
-            errors: vec![format!("{}: {}", ctx.at(span), e.message())],
+            errors: vec![format!(
+                "{}: {}{}",
+                ctx.at(span),
+                e.message(),
+                super::units::did_you_mean(e.message())
+            )],
         }
     })?;
     let mut cx = Compiler {

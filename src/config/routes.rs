@@ -20,9 +20,20 @@ pub(super) fn route(
     let name = cx.s(&r.name)?;
     let upstream = cx.s(&r.upstream)?;
     if !upstreams.contains_key(&upstream) {
+        let known: Vec<&str> = upstreams.keys().map(String::as_str).collect();
+        let hint = match super::units::closest(&upstream, &known) {
+            Some(near) => format!(" (did you mean {near:?}?)"),
+            None => String::new(),
+        };
         cx.err(
             r.upstream.span(),
-            format!("route {name:?}: unknown upstream {upstream:?}"),
+            format!(
+                "route {name:?}: unknown upstream {upstream:?}{hint}; the upstreams are {}",
+                match known.is_empty() {
+                    true => "none: add an [upstreams.NAME] table".to_owned(),
+                    false => known.join(", "),
+                }
+            ),
         );
     }
     let methods = match &r.methods {

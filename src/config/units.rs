@@ -74,6 +74,47 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 
 /// Expands `${VAR}` and `${VAR:-default}`; an unset `${VAR}` without default is an error.
 /// `$$` is a literal `$` so a value can still contain `${` when it must.
+/// The name in `known` nearest to `name` (at most a third of its letters off), if any.
+pub fn closest<'a>(name: &str, known: &[&'a str]) -> Option<&'a str> {
+    let limit = (name.chars().count() / 3).max(1);
+    known
+        .iter()
+        .map(|k| (distance(name, k), *k))
+        .filter(|(d, _)| *d <= limit)
+        .min_by_key(|(d, _)| *d)
+        .map(|(_, k)| k)
+}
+
+/// ` (did you mean `x`?)` for serde's "unknown field `y`, expected one of `x`, …", else empty.
+pub fn did_you_mean(message: &str) -> String {
+    let Some(rest) = message.strip_prefix("unknown field `") else {
+        return String::new();
+    };
+    let Some((name, expected)) = rest.split_once("`, expected") else {
+        return String::new();
+    };
+    let known: Vec<&str> = expected.split('`').skip(1).step_by(2).collect();
+    closest(name, &known).map_or(String::new(), |k| format!(" (did you mean `{k}`?)"))
+}
+
+/// Levenshtein distance, by characters.
+fn distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut diag = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let next = (row[j + 1] + 1)
+                .min(row[j] + 1)
+                .min(diag + usize::from(ca != *cb));
+            diag = row[j + 1];
+            row[j + 1] = next;
+        }
+    }
+    row[b.len()]
+}
+
 /// The index of the `}` that closes a brace already open at the start of `s`.
 fn closing(s: &str) -> Option<usize> {
     let mut depth = 0usize;
@@ -178,6 +219,18 @@ mod tests {
         assert_eq!(expand_env("$$x", &env).unwrap(), "$x");
         assert!(expand_env("${B}", &env).is_err());
         assert!(expand_env("${A", &env).is_err());
+        assert_eq!(
+            super::did_you_mean("unknown field `lisen`, expected one of `listen`, `admin_listen`"),
+            " (did you mean `listen`?)"
+        );
+        assert_eq!(
+            super::did_you_mean("unknown field `zzz`, expected `listen`"),
+            ""
+        );
+        assert_eq!(
+            super::closest("stripe", &["hubspot", "strip"]),
+            Some("strip")
+        );
         // A default may hold braces of its own.
         assert_eq!(
             expand_env("${B:-https://{host}}", &env).unwrap(),

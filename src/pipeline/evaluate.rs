@@ -1,6 +1,7 @@
 //! Step 1's evaluation of a buffered request: its key, fingerprint, entities, version and
 //! side reads. Pure of the network and the store, so `idemproxy explain` runs the same code.
 
+use super::body_read::BodyRead;
 use super::side_read;
 use crate::body::{self, BodyKind};
 use crate::config::{Expected, Reconcile, Route, Upstream};
@@ -91,7 +92,13 @@ pub fn plan_key(upstream: &Upstream, route: &Route, headers: &HeaderMap) -> Prox
         (true, false) => Ok(KeyPlan::Unprotected),
         (true, true) => Err(ProxyError::new(
             ErrorKind::KeyMissing,
-            format!("route {} needs an idempotency key header", route.name),
+            match &route.key.header {
+                Some(h) => format!(
+                    "route {} needs an idempotency key in the {h} header (it derives none)",
+                    route.name
+                ),
+                None => format!("route {} takes no key header and derives none", route.name),
+            },
         )),
     }
 }
@@ -124,12 +131,19 @@ pub fn prepare(
         // Nothing reads the body: it is fingerprinted as raw bytes.
         Err(_) => None,
     };
+    let read = BodyRead {
+        kind,
+        parsed: parsed.is_some(),
+        headers: input.headers,
+        body: input.body,
+    };
     if route.needs_body && parsed.is_none() {
         return Err(ProxyError::new(
             ErrorKind::BodyInvalid,
             format!(
-                "route {} reads the body, which must be JSON or a form",
-                route.name
+                "route {} reads the body, which must be JSON or a form: {}",
+                route.name,
+                read.said()
             ),
         ));
     }
@@ -182,7 +196,10 @@ pub fn prepare(
             let e = t.eval(&view).map_err(|field| {
                 ProxyError::new(
                     ErrorKind::EntityMissing,
-                    format!("the entity needs {{{field}}}, which the request lacks"),
+                    format!(
+                        "the entity needs {{{field}}}, which the request lacks{}",
+                        read.note(&field)
+                    ),
                 )
             })?;
             // Long names (an id field someone filled with a document) become their hash, so
@@ -213,7 +230,10 @@ pub fn prepare(
             (Err(field), None) => {
                 return Err(ProxyError::new(
                     ErrorKind::KeyMissing,
-                    format!("the key is derived from {{{field}}}, which the request lacks"),
+                    format!(
+                        "the key is derived from {{{field}}}, which the request lacks{}",
+                        read.note(&field)
+                    ),
                 ))
             }
         },
@@ -230,7 +250,10 @@ pub fn prepare(
             let text = t.eval_one(&view).map_err(|field| {
                 ProxyError::new(
                     ErrorKind::VersionMissing,
-                    format!("the version needs {{{field}}}, which the request lacks"),
+                    format!(
+                        "the version needs {{{field}}}, which the request lacks{}",
+                        read.note(&field)
+                    ),
                 )
                 .with_key(&key)
             })?;

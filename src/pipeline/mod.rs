@@ -18,6 +18,7 @@
 //! guards and leases, its timings), the way pingora's `CTX` does; one typed [`Outcome`] is what
 //! its audit row, its metrics and its answer are written from, once, by [`Ctx::finish`].
 
+mod body_read;
 pub mod checks;
 mod evaluate;
 mod forward;
