@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Memory per idle connection: N keep-alive connections that each made one request and then
+# sit idle, on the main listener (a GET passthrough, a protected POST) and as egress tunnels,
+# beside nginx proxying the same GET. Prints the RSS growth per connection in KiB.
+# Usage: bench/idle.sh [connections=1000]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+N=${1:-1000}
+WORK=$(mktemp -d /tmp/idemproxy-idle.XXXXXX)
+chmod 755 "$WORK"
+cleanup() {
+  kill $(cat "$WORK"/*.pid 2>/dev/null) 2>/dev/null || true
+  nginx -p "$WORK" -c "$WORK/nginx.conf" -s stop 2>/dev/null || true
+  rm -rf "$WORK"
+}
+trap cleanup EXIT
+. bench/lib.sh
+need nginx python3
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
+cargo build --release -q --bin idemproxy
+UP=$(free_port); PROXY=$(free_port); ADMIN=$(free_port); EGRESS=$(free_port); NGX=$(free_port)
+start_nginx "$WORK" "$UP" "$(nginx_proxy "$UP" "$NGX")"
+./target/release/idemproxy ca init --dir "$WORK/certs" >/dev/null
+proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$WORK/idle.db\"" > "$WORK/proxy.toml"
+cat >> "$WORK/proxy.toml" <<TOML
+[egress]
+listen = "127.0.0.1:$EGRESS"
+ca_cert = "$WORK/certs/idemproxy-ca.pem"
+ca_key = "$WORK/certs/idemproxy-ca.key"
+tunnel = ["127.0.0.1"]
+TOML
+serve proxy "$WORK/proxy.toml" "$ADMIN"
+rss() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
+# Opens N connections to 127.0.0.1:PORT, sends each the request, reads its answer head, and
+# holds them all open until stdin closes. Prints "ready" once every one has its answer.
+cat > "$WORK/hold.py" <<'PY'
+import socket, sys
+port, n, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+socks = []
+for i in range(n):
+    s = socket.create_connection(("127.0.0.1", port))
+    if kind == "get":
+        s.sendall(b"GET /api/x HTTP/1.1\r\nhost: a\r\n\r\n")
+    elif kind == "post":
+        body = b'{"amount":1}'
+        s.sendall(b"POST /api/v1/charges HTTP/1.1\r\nhost: a\r\ncontent-type: application/json\r\nidempotency-key: idle-%d\r\ncontent-length: %d\r\n\r\n" % (i % 50, len(body)) + body)
+    elif kind.startswith("connect:"):
+        s.sendall(b"CONNECT 127.0.0.1:%s HTTP/1.1\r\nhost: x\r\n\r\n" % kind.split(":")[1].encode())
+    got = b""
+    while b"\r\n\r\n" not in got:
+        got += s.recv(4096)
+    if kind.startswith("connect:"):
+        s.sendall(b"GET /api/x HTTP/1.1\r\nhost: a\r\n\r\n")
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += s.recv(4096)
+    socks.append(s)
+print("ready", flush=True)
+sys.stdin.read()
+PY
+measure() { # PID PORT KIND
+  local before after
+  before=$(rss "$1")
+  coproc HOLD { python3 "$WORK/hold.py" "$2" "$N" "$3"; }
+  read -r _ <&"${HOLD[0]}"
+  sleep 1
+  after=$(rss "$1")
+  exec {HOLD[1]}>&-
+  wait "$HOLD_PID" 2>/dev/null || true
+  python3 -c "print('%-22s %8.1f KiB a connection (RSS %d -> %d KiB)' % ('$4', ($after-$before)/$N, $before, $after))"
+}
+PID=$(cat "$WORK/proxy.pid")
+# nginx's worker holds the connections, not its master.
+NGINX_PID=$(pgrep -P "$(cat "$WORK/nginx.pid")" | head -1)
+echo "$N idle keep-alive connections, each after one request:"
+measure "$PID" "$PROXY" get "idemproxy GET"
+measure "$PID" "$PROXY" post "idemproxy POST"
+measure "$PID" "$EGRESS" "connect:$UP" "idemproxy tunnel"
+measure "$NGINX_PID" "$NGX" get "nginx GET"
