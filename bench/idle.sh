@@ -29,7 +29,6 @@ ca_cert = "$WORK/certs/idemproxy-ca.pem"
 ca_key = "$WORK/certs/idemproxy-ca.key"
 tunnel = ["127.0.0.1"]
 TOML
-serve proxy "$WORK/proxy.toml" "$ADMIN"
 rss() { awk '/VmRSS/ {print $2}' "/proc/$1/status"; }
 # Opens N connections to 127.0.0.1:PORT, sends each the request, reads its answer head, and
 # holds them all open until stdin closes. Prints "ready" once every one has its answer.
@@ -58,7 +57,15 @@ for i in range(n):
 print("ready", flush=True)
 sys.stdin.read()
 PY
-measure() { # PID PORT KIND
+# A fresh process for each measurement: memory freed by the last one's connections would
+# otherwise be reused (and hide what a connection costs).
+fresh() {
+  [ -f "$WORK/proxy.pid" ] && kill "$(cat "$WORK/proxy.pid")" 2>/dev/null && sleep 0.5
+  rm -f "$WORK"/idle.db*
+  serve proxy "$WORK/proxy.toml" "$ADMIN" >/dev/null
+  cat "$WORK/proxy.pid"
+}
+measure() { # PID PORT KIND LABEL
   local before after
   before=$(rss "$1")
   coproc HOLD { python3 "$WORK/hold.py" "$2" "$N" "$3"; }
@@ -69,11 +76,9 @@ measure() { # PID PORT KIND
   wait "$HOLD_PID" 2>/dev/null || true
   python3 -c "print('%-22s %8.1f KiB a connection (RSS %d -> %d KiB)' % ('$4', ($after-$before)/$N, $before, $after))"
 }
-PID=$(cat "$WORK/proxy.pid")
-# nginx's worker holds the connections, not its master.
-NGINX_PID=$(pgrep -P "$(cat "$WORK/nginx.pid")" | head -1)
 echo "$N idle keep-alive connections, each after one request:"
-measure "$PID" "$PROXY" get "idemproxy GET"
-measure "$PID" "$PROXY" post "idemproxy POST"
-measure "$PID" "$EGRESS" "connect:$UP" "idemproxy tunnel"
-measure "$NGINX_PID" "$NGX" get "nginx GET"
+measure "$(fresh)" "$PROXY" get "idemproxy GET"
+measure "$(fresh)" "$PROXY" post "idemproxy POST"
+measure "$(fresh)" "$EGRESS" "connect:$UP" "idemproxy tunnel"
+# nginx's worker holds the connections, not its master.
+measure "$(pgrep -P "$(cat "$WORK/nginx.pid")" | head -1)" "$NGX" get "nginx GET"
