@@ -107,7 +107,7 @@ impl Browser {
             "--disable-gpu",
             "--disable-dev-shm-usage",
             "--no-first-run",
-            "--window-size=1400,1300",
+            "--window-size=1280,1300",
         ];
         caps.insert(
             "goog:chromeOptions".into(),
@@ -220,8 +220,18 @@ impl Browser {
             .unwrap_or_else(|e| panic!("run {js}: {e}"))
     }
 
-    /// Saves a screenshot as `target/console-screens/<prefix>-<name>.png`.
+    /// Saves a screenshot as `target/console-screens/<prefix>-<name>.png`, after asserting
+    /// that the page fits the window's width (1280 px): no long key, entity or note pushes it
+    /// into a horizontal scroll.
     pub async fn screenshot(&self, name: &str) {
+        let sizes = self
+            .script("return [document.documentElement.scrollWidth, document.documentElement.clientWidth];")
+            .await;
+        let (wide, window) = (sizes[0].as_u64(), sizes[1].as_u64());
+        assert!(
+            wide <= window,
+            "{name}: the page is {wide:?} px wide in a {window:?} px window"
+        );
         let png = self.client.screenshot().await.expect("screenshot");
         let path = screens_dir().join(format!("{}-{name}.png", self.prefix));
         std::fs::write(&path, png).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));

@@ -188,6 +188,23 @@ impl World {
         assert_eq!(retry.replayed(), Some(true));
         let stale = write("sync-901-b", "1", "run-backfill-0315").await;
         assert_eq!(stale.error_type(), Some("stale_version"));
+        // Contact 902: a key and a workflow id as long as real derived ones, with no place to
+        // break a line (the timeline must still fit the window).
+        let long_key = format!(
+            "contact:902:contact-update:{}",
+            "0123456789abcdef".repeat(12)
+        );
+        let long_run = format!("run-{}", "9f8e7d6c5b4a".repeat(10));
+        let headers = [
+            ("content-type", "application/json"),
+            ("x-request-id", long_key.as_str()),
+            ("x-entity-version", "1"),
+            ("x-workflow-id", long_run.as_str()),
+        ];
+        let url = self.proxy.url("/api/contacts/902");
+        request("PATCH", &url, &headers, r#"{"properties": {"a": 1}}"#)
+            .await
+            .assert_status(200);
         assert_eq!(
             self.upstream.count_path("/contacts/901"),
             1,
@@ -233,6 +250,7 @@ impl World {
         let img = format!("customer:{HOSTILE_IMG_ENTITY}");
         for (entity, rows) in [
             ("contact:901", 3),
+            ("contact:902", 1),
             (&hostile, 1),
             (&js, 1),
             (&img, 1),
