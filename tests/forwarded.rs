@@ -7,7 +7,6 @@
 mod common;
 
 use common::*;
-use http::{HeaderName, HeaderValue};
 use serde_json::json;
 use std::path::Path;
 
@@ -19,23 +18,6 @@ fn shipped(apis: &[(&str, String)], extra: &[(&str, &str)]) -> String {
     ];
     vars.extend(apis.iter().cloned());
     shipped_text(&vars, extra)
-}
-
-/// A request with header values given as bytes (a client may send any).
-fn raw(
-    method: &str,
-    url: &str,
-    headers: &[(&str, &[u8])],
-    body: &str,
-) -> http::Request<http_body_util::Full<bytes::Bytes>> {
-    let mut req = build(method, url, &[], body.to_owned());
-    for (name, value) in headers {
-        req.headers_mut().append(
-            HeaderName::from_bytes(name.as_bytes()).expect("a header name"),
-            HeaderValue::from_bytes(value).expect("a header value"),
-        );
-    }
-    req
 }
 
 const CONTACT: &str = "/hubspot/crm/v3/objects/contacts/9801";
@@ -50,7 +32,7 @@ fn hubspot_update(
         ("authorization", b"Bearer pat-1"),
     ];
     headers.extend_from_slice(extra);
-    raw("PATCH", url, &headers, UPDATE)
+    build_bytes("PATCH", url, &headers, UPDATE)
 }
 
 /// Every request counts as one entity: the tests below send writes to one object only, so
@@ -161,7 +143,7 @@ async fn a_cookie_jar_does_not_turn_a_retry_into_a_new_write() {
     assert_eq!(retry.replayed(), Some(true), "{}", retry.text());
     assert_eq!(api.count(), 1);
     // Another token is another caller, cookie or not.
-    let other = send(raw(
+    let other = send(build_bytes(
         "PATCH",
         &url,
         &[
@@ -283,7 +265,7 @@ fn form(url: &str, body: &str) -> http::Request<http_body_util::Full<bytes::Byte
         ("content-type", b"application/x-www-form-urlencoded"),
         ("authorization", b"Bearer sk_test_1"),
     ];
-    raw("POST", url, &headers, body)
+    build_bytes("POST", url, &headers, body)
 }
 
 #[tokio::test]
@@ -441,7 +423,7 @@ async fn a_number_is_one_entity_however_it_is_written() {
         let (a, b) = one_at_a_time(
             &api,
             &proxy,
-            raw("POST", &url, &headers, &batch),
+            build_bytes("POST", &url, &headers, &batch),
             hubspot_update(&proxy.url(CONTACT), &[]),
         )
         .await;
@@ -460,7 +442,7 @@ async fn a_zendesk_ticket_patch_waits_for_its_put() {
             ("content-type", b"application/json"),
             ("authorization", b"Basic YWdlbnQ6dDBrZW4="),
         ];
-        raw(method, &url, &headers, r#"{"ticket":{"status":"solved"}}"#)
+        build_bytes(method, &url, &headers, r#"{"ticket":{"status":"solved"}}"#)
     };
     let (put, patch) = one_at_a_time(&api, &proxy, update("PUT"), update("PATCH")).await;
     assert_eq!(

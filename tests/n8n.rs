@@ -128,23 +128,35 @@ fn workflow(id: &str) -> Value {
             "connections": {"Start": link("HubSpot"), "HubSpot": link("Zendesk"), "Zendesk": link("Stripe")}}])
 }
 
-/// Fake HubSpot: the v1 upsert answers a vid, the profile read answers the contact.
-async fn hubspot() -> RecordingUpstream {
-    RecordingUpstream::with_handler(|rec, _| match rec.method.as_str() {
-        "GET" => Reply::json(200, &json!({"vid": 9801, "properties": {"email": {"value": "ada@example.com"}, "firstname": {"value": "Ada"}}})),
-        _ => Reply::json(200, &json!({"vid": 9801, "isNew": true})),
-    })
-    .await
+/// Fake HubSpot: the v1 upsert answers a vid, the profile read answers the contact. With
+/// `drop_first`, the first upsert is applied and its answer dropped.
+async fn hubspot(drop_first: bool) -> RecordingUpstream {
+    RecordingUpstream::builder()
+        .raw_http1()
+        .handler(move |rec, n| match rec.method.as_str() {
+            "GET" => Reply::json(200, &json!({"vid": 9801, "properties": {"email": {"value": "ada@example.com"}, "firstname": {"value": "Ada"}}})),
+            _ if drop_first && n == 1 => Reply::drop_connection(),
+            _ => Reply::json(200, &json!({"vid": 9801, "isNew": n == 1})),
+        })
+        .start()
+        .await
 }
 
-async fn zendesk() -> RecordingUpstream {
-    RecordingUpstream::with_handler(|_, n| {
-        Reply::json(
-            200,
-            &json!({"ticket": {"id": 42, "status": "solved"}, "audit": {"id": n}}),
-        )
-    })
-    .await
+/// Fake Zendesk: a ticket update answers the ticket; a read of the ticket answers it as the
+/// update left it. With `drop_first`, the first update is applied and its answer dropped.
+async fn zendesk(drop_first: bool) -> RecordingUpstream {
+    RecordingUpstream::builder()
+        .raw_http1()
+        .handler(move |rec, n| {
+            let ticket = json!({"id": 42, "status": "solved", "subject": "Printer"});
+            match rec.method.as_str() {
+                "GET" => Reply::json(200, &json!({ "ticket": ticket })),
+                _ if drop_first && n == 1 => Reply::drop_connection(),
+                _ => Reply::json(200, &json!({"ticket": ticket, "audit": {"id": n}})),
+            }
+        })
+        .start()
+        .await
 }
 
 /// Fake Stripe: creates a customer per new `Idempotency-Key` and answers a key it has seen with
@@ -195,7 +207,7 @@ async fn n8n_built_in_nodes_write_once_through_the_egress_listener() {
     if !have_n8n() {
         return;
     }
-    let (hs, zd) = (hubspot().await, zendesk().await);
+    let (hs, zd) = (hubspot(false).await, zendesk(false).await);
     let (st, customers) = stripe(false).await;
     let apis = [
         ("HUBSPOT_API_URL", hs.url()),
@@ -232,12 +244,16 @@ async fn n8n_built_in_nodes_write_once_through_the_egress_listener() {
     );
 }
 
+/// Every API applies the write and its answer is dropped. Zendesk's is reconciled by reading
+/// the ticket (no second update); HubSpot's upsert, applied idempotently, is sent again when
+/// the node retries (`resend_unknown`: one contact); Stripe's create is sent again with the
+/// same key, which Stripe answers with the first customer. The run finishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stripe_answer_dropped_after_the_write_is_retried_by_the_node_and_applied_once() {
+async fn answers_dropped_after_each_write_settle_and_the_run_finishes() {
     if !have_n8n() {
         return;
     }
-    let (hs, zd) = (hubspot().await, zendesk().await);
+    let (hs, zd) = (hubspot(true).await, zendesk(true).await);
     let (st, customers) = stripe(true).await;
     let apis = [
         ("HUBSPOT_API_URL", hs.url()),
@@ -254,6 +270,24 @@ async fn a_stripe_answer_dropped_after_the_write_is_retried_by_the_node_and_appl
     .await
     .expect("n8n's thread");
     assert!(ok, "the run finishes: {text}");
+    assert_eq!(
+        zd.count_method("PUT"),
+        1,
+        "the ticket update was reconciled, not sent again"
+    );
+    assert_eq!(zd.count_method("GET"), 1, "one reconcile read");
+    assert_eq!(
+        hs.count_method("POST"),
+        2,
+        "the upsert was sent again on the node's retry"
+    );
+    let upserts: Vec<String> = hs
+        .requests()
+        .iter()
+        .filter(|r| r.method == "POST")
+        .map(|r| r.path().to_owned())
+        .collect();
+    assert_eq!(upserts[0], upserts[1], "the same upsert: one contact");
     // The node's retry reached Stripe again, with the same key: Stripe answered it with the
     // first (applied) customer, and no second one exists.
     assert_eq!(st.count_method("POST"), 2);

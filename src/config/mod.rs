@@ -284,6 +284,10 @@ pub struct Reconcile {
     /// which a string `"{read}"` is the read's body and `"{read.X}"` its field `X`. A field
     /// the read lacks counts as `not_found` (an empty list found nothing).
     pub answer: Option<serde_json::Value>,
+    /// Body fields that, when a request has one, leave its lost answer unreconciled (it stays
+    /// unknown): a ticket update that adds a comment is not "found" by reading the ticket,
+    /// and sending it again would add the comment twice.
+    pub unless: Vec<BodyPath>,
 }
 
 /// An expected value: as written, or a template over the original request.
@@ -333,6 +337,10 @@ pub struct Route {
     /// reconcile read can find the object by it (`{stamp}` in `reconcile.path`) where the API
     /// has no other consistent read for a create.
     pub stamp: Option<BodyPath>,
+    /// The upstream applies this write idempotently (the same association created twice is
+    /// one; an upsert by email sets the same values): after an unknown outcome a retry is
+    /// sent again with the same key, as to an upstream that dedupes by its own header.
+    pub resend_unknown: bool,
 }
 
 /// Every problem found in a config file, each as `file:line:col: message`.
@@ -434,6 +442,7 @@ impl Route {
             needs_body: false,
             read_only: false,
             stamp: None,
+            resend_unknown: false,
         }
     }
 
@@ -470,8 +479,15 @@ impl Route {
             Some(rc) => format!(" reconcile={} {}", rc.method, rc.path.text()),
             None => String::new(),
         };
+        if let Some(rc) = self.reconcile.as_ref().filter(|rc| !rc.unless.is_empty()) {
+            let unless: Vec<String> = rc.unless.iter().map(|p| format!("body.{p}")).collect();
+            reconcile.push_str(&format!(" unless {}", unless.join(",")));
+        }
         if let Some(field) = &self.stamp {
             reconcile.push_str(&format!(" stamp=body.{field}"));
+        }
+        if self.resend_unknown {
+            reconcile.push_str(" resend_unknown");
         }
         format!(
             "{}: upstream={} methods={} path={} entity={} key=[{key}] ({required}) in_flight={} mode={}{reconcile}",

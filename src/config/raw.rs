@@ -113,6 +113,7 @@ pub struct RawRoute {
     pub retention: Option<Str>,
     pub read_only: Option<bool>,
     pub stamp: Option<Str>,
+    pub resend_unknown: Option<Spanned<bool>>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -156,4 +157,5 @@ pub struct RawReconcile {
     #[serde(default)]
     pub expect: BTreeMap<String, Spanned<toml::Value>>,
     pub answer: Option<Spanned<toml::Value>>,
+    pub unless: Option<Vec<Str>>,
 }

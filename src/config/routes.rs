@@ -293,6 +293,15 @@ pub(super) fn route(
             format!("route {name:?}: a read_only route is never keyed or locked: it takes no key, entity, version, claim, precheck, reconcile or stamp"),
         );
     }
+    let resend_unknown = r.resend_unknown.as_ref().is_some_and(|b| *b.get_ref());
+    if let Some(b) = r.resend_unknown.as_ref().filter(|b| *b.get_ref()) {
+        if reconcile.is_some() {
+            cx.err(
+                b.span(),
+                format!("route {name:?}: resend_unknown and reconcile both settle a lost answer: keep one (reconcile reads before sending again; resend_unknown is for writes the API applies idempotently)"),
+            );
+        }
+    }
     if cx.errors.len() > errors_before {
         return None;
     }
@@ -322,6 +331,7 @@ pub(super) fn route(
         needs_body,
         read_only,
         stamp,
+        resend_unknown,
     })
 }
 

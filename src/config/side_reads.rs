@@ -124,6 +124,24 @@ pub(super) fn reconcile(
         after: reconcile_after(cx, name, &r.after),
         expect,
         answer: r.answer.as_ref().and_then(|a| answer(cx, name, a)),
+        unless: r
+            .unless
+            .iter()
+            .flatten()
+            .filter_map(|u| {
+                let text = cx.s(u)?;
+                match text.strip_prefix("body.").map(BodyPath::parse) {
+                    Some(Ok(p)) => Some(p),
+                    _ => {
+                        cx.err(
+                            u.span(),
+                            format!("route {name:?}: reconcile.unless {text:?}: a body field, e.g. \"body.ticket.comment\""),
+                        );
+                        None
+                    }
+                }
+            })
+            .collect(),
     })
 }
 
@@ -180,7 +198,8 @@ impl Reconcile {
     /// Whether its path or expectations read the request body (which must then parse).
     pub fn reads_body(&self) -> bool {
         let body = |s: &Source| matches!(s, Source::Body(_));
-        self.path.uses(body)
+        !self.unless.is_empty()
+            || self.path.uses(body)
             || self.expect.iter().any(|(_, e)| match e {
                 Expected::Template(t) => t.uses(body),
                 Expected::Field { .. } => true,

@@ -272,7 +272,16 @@ pub fn prepare(
     };
     // A read names one object: a batch of several (`{body.inputs[*].id}` with two ids) is
     // not reconciled, as one object found says nothing of the others.
+    // A field of `unless` in the body (a comment on a ticket update): not reconciled.
+    let excluded = |rc: &Reconcile| {
+        parsed.as_ref().is_some_and(|b| {
+            rc.unless
+                .iter()
+                .any(|p| p.values(b).iter().any(|v| !v.is_null()))
+        })
+    };
     let reconcile = match &route.reconcile {
+        Some(rc) if excluded(rc) => None,
         Some(rc) if stamped || !rc.path.uses(|s| *s == Source::Stamp) => {
             match rc.path.eval(&view).map(|v| v.len()) {
                 Ok(n) if n > 1 => None,

@@ -167,7 +167,8 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
     if state != KeyState::Released && rec.fingerprint != ctx.prepared.fingerprint {
         return Err(key_reused());
     }
-    let native = ctx.upstream.native_idempotency_header.is_some();
+    // The upstream dedupes a re-send by our key, or applies this write idempotently.
+    let native = ctx.upstream.native_idempotency_header.is_some() || ctx.route.resend_unknown;
     let reconcile = match state {
         KeyState::Unknown if !native => super::reconcile::on_retry(ctx, rec)?,
         _ => None,

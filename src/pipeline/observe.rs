@@ -14,7 +14,6 @@
 
 use super::outcome::outcome_of;
 use super::{checks, forward, lock, store, Ctx, Outcome};
-use crate::config::Upstream;
 use crate::error::ProxyError;
 use crate::store::{now_ms, KeyRecord, KeyState, Reserved};
 use crate::upstream::ProxyBody;
@@ -38,7 +37,7 @@ pub(super) async fn passthrough(
 }
 
 /// What enforce mode would have done with a stored record of this key.
-fn would_for_record(rec: &KeyRecord, fingerprint: &str, up: &Upstream) -> Option<&'static str> {
+fn would_for_record(rec: &KeyRecord, fingerprint: &str, resends: bool) -> Option<&'static str> {
     let state = rec.effective_state(now_ms());
     if state == KeyState::Released {
         return None;
@@ -50,7 +49,7 @@ fn would_for_record(rec: &KeyRecord, fingerprint: &str, up: &Upstream) -> Option
         KeyState::Completed if rec.response.is_some() => Some("replay"),
         KeyState::Completed | KeyState::Released => None,
         KeyState::InFlight => Some("in_flight"),
-        KeyState::Unknown if up.native_idempotency_header.is_some() => None,
+        KeyState::Unknown if resends => None,
         KeyState::Unknown => Some("outcome_unknown"),
     }
 }
@@ -128,7 +127,7 @@ async fn look(ctx: &mut Ctx) -> (Option<&'static str>, bool) {
     }
     if let Some(w) = record
         .as_ref()
-        .and_then(|r| would_for_record(r, &ctx.prepared.fingerprint, &ctx.upstream))
+        .and_then(|r| would_for_record(r, &ctx.prepared.fingerprint, resends(ctx)))
     {
         return (Some(w), false);
     }
@@ -162,7 +161,7 @@ fn store_failed(ctx: &Ctx, e: crate::store::StoreError) -> (Option<&'static str>
 async fn reserve_key(ctx: &mut Ctx) -> bool {
     // As enforce mode after step 2: an unknown outcome is taken over when the upstream
     // dedupes by our key (`would_for_record` let it through only then).
-    let reservation = ctx.reservation(ctx.upstream.native_idempotency_header.is_some());
+    let reservation = ctx.reservation(resends(ctx));
     match ctx.state.store.reserve(reservation).await {
         Ok(Reserved::Owned { epoch, action }) => {
             ctx.epoch = epoch;
@@ -170,7 +169,7 @@ async fn reserve_key(ctx: &mut Ctx) -> bool {
             true
         }
         Ok(Reserved::Existing(rec)) => {
-            let w = would_for_record(&rec, &ctx.prepared.fingerprint, &ctx.upstream);
+            let w = would_for_record(&rec, &ctx.prepared.fingerprint, resends(ctx));
             ctx.observed = ctx.observed.or(w).or(Some("in_flight"));
             false
         }
@@ -179,4 +178,10 @@ async fn reserve_key(ctx: &mut Ctx) -> bool {
             false
         }
     }
+}
+
+/// Whether enforce mode sends a retry of an unknown outcome again: the upstream dedupes by our
+/// key, or the route's write is applied idempotently.
+fn resends(ctx: &Ctx) -> bool {
+    ctx.upstream.native_idempotency_header.is_some() || ctx.route.resend_unknown
 }

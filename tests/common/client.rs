@@ -268,3 +268,20 @@ pub fn raw_status(response: &str) -> u16 {
         .and_then(|s| s.parse().ok())
         .unwrap_or(0)
 }
+
+/// A request with header values given as bytes (a client may send any).
+pub fn build_bytes(
+    method: &str,
+    url: &str,
+    headers: &[(&str, &[u8])],
+    body: &str,
+) -> Request<Full<Bytes>> {
+    let mut req = build(method, url, &[], body.to_owned());
+    for (name, value) in headers {
+        req.headers_mut().append(
+            HeaderName::from_bytes(name.as_bytes()).expect("a header name"),
+            HeaderValue::from_bytes(value).expect("a header value"),
+        );
+    }
+    req
+}

@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 
 #[allow(unused_imports)] // each test file uses its own subset
 pub use client::{
-    build, get, post_json, raw_request, raw_status, request, send, send_h2, try_request, try_send,
-    Resp,
+    build, build_bytes, get, post_json, raw_request, raw_status, request, send, send_h2,
+    try_request, try_send, Resp,
 };
 #[allow(unused_imports)]
 pub use process::{cli, faults_binary, shipped_proxy, ProxyProcess};
