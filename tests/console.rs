@@ -331,6 +331,28 @@ async fn overview(w: &World, b: &Browser) {
         "the chart has bars"
     );
     b.screenshot("09-overview").await;
+    running(b).await;
+}
+
+/// What runs: upstreams, routes and listeners from the configuration in force; no secret.
+async fn running(b: &Browser) {
+    b.navigate("header nav a[href='/console/running']").await;
+    let text = b.text("main").await;
+    for want in [
+        "api",
+        "contact-update",
+        "/contacts/{id}",
+        "egress",
+        "admin token set",
+    ] {
+        assert!(text.contains(want), "{want} on the running page: {text}");
+    }
+    assert!(
+        !text.contains(world::TOKEN),
+        "the admin token is never shown"
+    );
+    b.assert_unharmed().await;
+    b.screenshot("09b-running").await;
 }
 
 /// A POST without the CSRF token changes nothing, in the browser and by hand.

@@ -8,6 +8,8 @@
 //! - `/console/key?k=…` — [`keys`]: a key's records, stored answer and attempts.
 //! - `/console/overview?window=…` — [`overview`]: decisions per route over a window, with a
 //!   [`chart`].
+//! - `/console/running` — [`running`]: the version, store, listeners, upstreams and routes in
+//!   force (Traefik's and HAProxy's dashboards show theirs), never a secret.
 //! - `/login`, `/logout` — [`session`]: sign-in with the admin token, a session cookie, and
 //!   the CSRF token every POST carries.
 //! - `/assets/…` — [`assets`]: the stylesheet and icon, built into the binary.
@@ -27,6 +29,7 @@ mod keys;
 mod overview;
 mod page;
 mod rows;
+mod running;
 mod session;
 pub use session::loopback_host;
 mod timeline;
@@ -153,6 +156,7 @@ async fn view(
         "/console/overview" => overview::page(state, frame, query.get("window"))
             .await
             .map(|m| (true, m)),
+        "/console/running" => Ok((true, running::page(state, frame))),
         _ => return not_found(),
     };
     match page {

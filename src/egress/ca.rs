@@ -216,23 +216,31 @@ fn write_private(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
         .with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// What `idemproxy ca show` prints: where the CA is, its SHA-256 fingerprint and expiry, and
-/// how each runtime is made to trust it. Never the key.
-pub fn show(cert: &Path) -> anyhow::Result<String> {
-    let pem = std::fs::read_to_string(cert).with_context(|| {
-        format!(
-            "cannot read {}: create the CA with `idemproxy ca init`",
-            cert.display()
-        )
-    })?;
+/// The CA certificate's SHA-256 fingerprint (`AB:CD:…`) and its expiry date, for `ca show` and
+/// the console. Never anything of the key.
+pub fn identity(cert: &Path) -> anyhow::Result<(String, String)> {
+    let pem =
+        std::fs::read_to_string(cert).with_context(|| format!("cannot read {}", cert.display()))?;
     let der = pem_der(&pem).with_context(|| format!("{}: no certificate", cert.display()))?;
     let params = CertificateParams::from_ca_cert_pem(&pem)
         .map_err(|e| anyhow::anyhow!("{}: not a CA certificate ({e})", cert.display()))?;
     let digest = ring::digest::digest(&ring::digest::SHA256, der.as_ref());
-    let fingerprint: Vec<String> = digest.as_ref().iter().map(|b| format!("{b:02X}")).collect();
+    let hex: Vec<String> = digest.as_ref().iter().map(|b| format!("{b:02X}")).collect();
+    Ok((hex.join(":"), params.not_after.date().to_string()))
+}
+
+/// What `idemproxy ca show` prints: where the CA is, its SHA-256 fingerprint and expiry, and
+/// how each runtime is made to trust it. Never the key.
+pub fn show(cert: &Path) -> anyhow::Result<String> {
+    if !cert.exists() {
+        anyhow::bail!(
+            "{} does not exist: create the CA with `idemproxy ca init`",
+            cert.display()
+        );
+    }
+    let (fingerprint, expires) = identity(cert)?;
     let path = std::fs::canonicalize(cert).unwrap_or_else(|_| cert.to_owned());
     let p = path.display();
-    let expires = params.not_after.date();
     Ok(format!(
         "certificate: {p}
 sha256:      {}
@@ -246,7 +254,7 @@ listener: HTTPS_PROXY=http://<egress listen address>):
   Debian/Ubuntu:  cp {p} /usr/local/share/ca-certificates/idemproxy-ca.crt && update-ca-certificates
   curl:           curl --proxy http://<host>:<port> --cacert {p} https://api.hubapi.com/...
 ",
-        fingerprint.join(":")
+        fingerprint
     ))
 }
 
