@@ -9,6 +9,10 @@
 //!   peer, back-off when file descriptors run out, rate-limited logs.
 //! - [`shed`]: at the connection limit, the connection that made the least progress is
 //!   closed to admit a new one.
+//! - [`egress`]: the egress listener, an HTTP forward proxy for clients whose API host is
+//!   fixed: `CONNECT`s to the hosts an upstream claims are intercepted with a leaf from the
+//!   proxy's CA and run through the router as on that upstream's listener; tunnels spliced;
+//!   any other host refused.
 //! - [`router`]: the main-listener router: prefix → upstream, path safety, safe methods streamed
 //!   through, route matching, `unmatched` policy.
 //! - [`threads`]: connection threads beside the runtime's one worker, each keeping its

@@ -2,6 +2,7 @@
 //! side reads. Pure of the network and the store, so `idemproxy explain` runs the same code.
 
 use super::body_read::BodyRead;
+use super::readable::{readable, wildcard_host};
 use super::side_read;
 use crate::body::{self, BodyKind};
 use crate::config::{Expected, Reconcile, Route, Upstream};
@@ -123,7 +124,7 @@ pub fn prepare(
     input: &Input<'_>,
     scoper: &key::ScopeKeyer,
 ) -> ProxyResult<Prepared> {
-    let query = readable(route, input)?;
+    let query = readable(route, input.headers, input.query)?;
     let kind = BodyKind::of(input.headers);
     let parsed = match body::parse(kind, input.body) {
         Ok(v) => v,
@@ -295,7 +296,7 @@ pub fn prepare(
         scoper.scope_at(
             input.headers,
             &upstream.credentials,
-            wildcard_host(upstream, input),
+            wildcard_host(upstream, input.host),
         ),
         key.clone(),
     );
@@ -323,77 +324,6 @@ pub fn prepare(
         stamped,
         workflow: None,
     })
-}
-
-/// The intercepted host, when the upstream claims several (`*.zendesk.com`): it is then part of
-/// the scope, as the account the API acts for.
-fn wildcard_host<'a>(upstream: &Upstream, input: &Input<'a>) -> Option<&'a str> {
-    input.host.filter(|_| {
-        upstream
-            .hosts
-            .iter()
-            .any(crate::config::HostPattern::is_wildcard)
-    })
-}
-
-/// The query's fields as text, once every part of the request the route's templates read is
-/// known to be read exactly: a header they read is sent once and is UTF-8 text, the query is
-/// text once decoded, and the body has one `Content-Type`. Anything else is refused, never read
-/// as absent (a key would fall back to another template) or as U+FFFD (two requests the
-/// upstream tells apart would be one key).
-fn readable(route: &Route, input: &Input<'_>) -> ProxyResult<Vec<(String, String)>> {
-    if input
-        .headers
-        .get_all(http::header::CONTENT_TYPE)
-        .iter()
-        .nth(1)
-        .is_some()
-    {
-        return Err(ProxyError::new(
-            ErrorKind::BodyInvalid,
-            "the request has two Content-Type headers; the upstream may read the body by either",
-        ));
-    }
-    let mut reads_query = false;
-    for source in route.templates().flat_map(|t| t.sources()) {
-        match source {
-            Source::Query(_) => reads_query = true,
-            Source::Header(name) => {
-                let mut values = input.headers.get_all(name).iter();
-                let first = values.next();
-                if values.next().is_some() {
-                    return Err(ProxyError::new(
-                        ErrorKind::HeaderInvalid,
-                        format!("{name} is sent more than once; route {} reads it, and the upstream may read either", route.name),
-                    ));
-                }
-                if let Some(v) = first.filter(|v| std::str::from_utf8(v.as_bytes()).is_err()) {
-                    return Err(ProxyError::new(
-                        ErrorKind::HeaderInvalid,
-                        format!(
-                            "{name} ({}) is not UTF-8 text; route {} reads it. Send it as UTF-8",
-                            crate::urlencoded::shown(v.as_bytes()),
-                            route.name
-                        ),
-                    ));
-                }
-            }
-            _ => {}
-        }
-    }
-    match input
-        .query
-        .map(|q| crate::urlencoded::text_pairs(q.as_bytes()))
-    {
-        None => Ok(Vec::new()),
-        Some(Ok(pairs)) => Ok(pairs),
-        Some(Err(why)) if reads_query => Err(ProxyError::new(
-            ErrorKind::BadPath,
-            format!("the query: {why}; route {} reads it", route.name),
-        )),
-        // Nothing reads it: the fingerprint takes its bytes.
-        Some(Err(_)) => Ok(Vec::new()),
-    }
 }
 
 /// The key from the first derive template whose every field the request has, and the window

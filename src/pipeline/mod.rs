@@ -27,6 +27,7 @@ mod lookup;
 pub mod observe;
 mod outcome;
 pub mod prepare;
+mod readable;
 mod reconcile;
 mod refusals;
 mod reserve;
