@@ -58,10 +58,12 @@ impl Decimal {
     fn render(&self) -> String {
         let sign = if self.negative { "-" } else { "" };
         let len = self.digits.len() as i64;
-        if self.exp >= 0 && len + self.exp <= MAX_PLAIN {
+        // The exponent is any i64 a client wrote: it is bounded before any arithmetic or
+        // allocation depends on it.
+        if (0..=MAX_PLAIN).contains(&self.exp) && len + self.exp <= MAX_PLAIN {
             return format!("{sign}{}{}", self.digits, "0".repeat(self.exp as usize));
         }
-        if self.exp < 0 && -self.exp <= MAX_PLAIN {
+        if (-MAX_PLAIN..0).contains(&self.exp) {
             let point = len + self.exp;
             return if point > 0 {
                 let (i, f) = self.digits.split_at(point as usize);
@@ -106,6 +108,18 @@ mod tests {
         assert_eq!(
             canonical("1e99999999999999999999"),
             "1e99999999999999999999"
+        );
+        // Exponents at the ends of i64: no overflow, no allocation of their size.
+        for e in [
+            "1e9223372036854775807",
+            "12e9223372036854775806",
+            "1e-9223372036854775808",
+        ] {
+            assert_eq!(canonical(e), e);
+        }
+        assert_eq!(
+            canonical("5.5e-9223372036854775807"),
+            "55e-9223372036854775808"
         );
     }
 }

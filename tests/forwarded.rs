@@ -450,3 +450,22 @@ async fn a_zendesk_ticket_patch_waits_for_its_put() {
         (Some(false), Some(false))
     );
 }
+
+/// A number whose exponent is at the end of i64 names an entity like any other number: the
+/// proxy answers, it does not crash.
+#[tokio::test]
+async fn a_number_with_a_huge_exponent_is_one_more_entity() {
+    let api = RecordingUpstream::start().await;
+    let proxy = TestProxy::start(&shipped(&[("HUBSPOT_API_URL", api.url())], &[])).await;
+    let url = proxy.url("/hubspot/crm/v3/objects/contacts/batch/update");
+    for id in ["1e9223372036854775807", "-1e-9223372036854775808"] {
+        let batch = format!(r#"{{"inputs":[{{"id":{id},"properties":{{"a":"b"}}}}]}}"#);
+        let headers: [(&str, &[u8]); 2] = [
+            ("content-type", b"application/json"),
+            ("authorization", b"Bearer pat-1"),
+        ];
+        let resp = send(build_bytes("POST", &url, &headers, &batch)).await;
+        assert_eq!(resp.status, 200, "{id}: {}", resp.text());
+    }
+    assert_eq!(api.count(), 2);
+}
