@@ -252,7 +252,10 @@ fn check(config: &Config) -> anyhow::Result<()> {
     for r in &config.routes {
         println!("route {}", r.summary());
     }
-    for w in credential_warnings(config) {
+    for w in credential_warnings(config)
+        .into_iter()
+        .chain(crate::config::egress::warnings(&config.upstreams))
+    {
         eprintln!("warning: {w}");
     }
     Ok(())

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 /// How long a client may take to send a request head (and how long a connection may idle).
-const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+use crate::accept::{drive, HEADER_READ_TIMEOUT};
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Handler = Arc<
@@ -163,6 +163,9 @@ impl Server {
 
         let egress_addr = match config.egress.listen {
             Some(a) => {
+                for w in crate::config::egress::warnings(&config.upstreams) {
+                    tracing::warn!("{w}");
+                }
                 let ca = crate::egress::ca::Authority::load(
                     &config.egress.ca_cert,
                     &config.egress.ca_key,
@@ -436,7 +439,7 @@ impl Connection {
         if let Some(afterwards) = afterwards {
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
             drive(watcher.watch(conn.into_owned()), &spoke, peer).await;
-            if let Some(tunnel) = afterwards.take() {
+            for tunnel in afterwards.take() {
                 let _ = tunnel.await;
             }
             return;
@@ -454,32 +457,6 @@ impl Connection {
             }
             Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
         }
-    }
-}
-
-/// Serves a connection to its end — unless no request has begun within
-/// [`HEADER_READ_TIMEOUT`]: hyper's header timeout starts only once a request's bytes arrive
-/// (and after HTTP/1-or-2 detection), so a silent client would otherwise hold its slot.
-async fn drive<F, E>(conn: F, spoke: &AtomicBool, peer: SocketAddr)
-where
-    F: Future<Output = Result<(), E>>,
-    E: std::fmt::Display,
-{
-    tokio::pin!(conn);
-    let ended = tokio::select! {
-        r = &mut conn => Some(r),
-        _ = tokio::time::sleep(HEADER_READ_TIMEOUT) => None,
-    };
-    let result = match ended {
-        Some(r) => r,
-        None if !spoke.load(Ordering::Relaxed) => {
-            tracing::debug!(%peer, "closing a connection that sent no request in time");
-            return;
-        }
-        None => conn.await,
-    };
-    if let Err(e) = result {
-        tracing::debug!(%peer, error = %e, "connection ended with an error");
     }
 }
 

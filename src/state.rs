@@ -96,9 +96,13 @@ impl AppState {
             ));
         };
         let key = (upstream.name.clone(), host.to_owned());
-        let mut clients = self.host_clients.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = clients.get(&key) {
-            return Ok(c.clone());
+        // A std `Mutex`, held to look up and to insert, never while a client is built.
+        let found = {
+            let clients = self.host_clients.lock().unwrap_or_else(|e| e.into_inner());
+            clients.get(&key).cloned()
+        };
+        if let Some(c) = found {
+            return Ok(c);
         }
         let unreachable = |e: String| ProxyError::new(ErrorKind::UpstreamUnreachable, e);
         let authority: http::uri::Authority = host
@@ -106,18 +110,21 @@ impl AppState {
             .map_err(|_| unreachable(format!("{host:?} is not a host name")))?;
         let mut at_host = upstream.as_ref().clone();
         at_host.authority = authority;
-        // Read once per new host (a few per process).
-        let roots = crate::upstream::default_roots();
         let threads = crate::threads::for_config(&self.config);
-        let client = UpstreamClient::new(Arc::new(at_host), &roots, threads)
+        let roots = crate::upstream::shared_roots();
+        let client = UpstreamClient::new(Arc::new(at_host), roots, threads)
             .map_err(|e| unreachable(format!("no client for {host}: {e}")))?;
-        let client = Arc::new(client);
-        // Bounded like the leaves: hosts come only from the upstreams' `hosts`.
+        let mut clients = self.host_clients.lock().unwrap_or_else(|e| e.into_inner());
+        // Bounded like the leaves (hosts come only from the upstreams' `hosts`): one out.
         if clients.len() >= 1024 {
-            clients.clear();
+            if let Some(old) = clients.keys().next().cloned() {
+                clients.remove(&old);
+            }
         }
-        clients.insert(key, client.clone());
-        Ok(client)
+        Ok(clients
+            .entry(key)
+            .or_insert_with(|| Arc::new(client))
+            .clone())
     }
 
     /// The client of an upstream (always present: built for every upstream at start).

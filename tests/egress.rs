@@ -161,6 +161,13 @@ async fn hosts_no_upstream_claims_are_refused_and_never_connected() {
         assert_eq!(raw_status(&answer), 403, "{target}: {answer}");
         assert!(answer.contains("egress_host_not_allowed"), "{answer}");
     }
+    // `*.zendesk.com` names one well-formed label under the domain, nothing else: a client
+    // cannot have a certificate minted for any string it likes.
+    let long = format!("{}.zendesk.com:443", "a".repeat(64));
+    for target in ["a.b.zendesk.com:443", "zendesk.com:443", long.as_str()] {
+        let answer = raw_request(e.addr, &connect_to(target, "")).await;
+        assert_eq!(raw_status(&answer), 403, "{target}: {answer}");
+    }
     // An absolute-form request for an unclaimed host too.
     let get = format!("GET http://{far}/ HTTP/1.1\r\nhost: {far}\r\n\r\n");
     assert_eq!(raw_status(&raw_request(e.addr, get.as_bytes()).await), 403);

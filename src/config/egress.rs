@@ -58,15 +58,7 @@ impl HostPattern {
             Some(rest) => (true, rest),
             None => (false, lower.as_str()),
         };
-        let valid = !name.is_empty()
-            && name.split('.').all(|label| {
-                !label.is_empty()
-                    && label.len() <= 63
-                    && label
-                        .bytes()
-                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
-            });
-        match (valid, under) {
+        match (dns_name(name), under) {
             (false, _) => Err(format!(
                 "{s:?} is not a host name: use a name (api.hubapi.com), *.domain (*.zendesk.com) or an address"
             )),
@@ -75,13 +67,16 @@ impl HostPattern {
         }
     }
 
-    /// Whether `host` (lower case, no port) is one this pattern names.
+    /// Whether `host` (lower case, no port) is one this pattern names. `*.domain` names one
+    /// label under the domain (`acme.zendesk.com`, not `a.b.zendesk.com`), as a wildcard
+    /// certificate does, and only a well-formed DNS name: a client cannot make the proxy mint
+    /// a certificate for an arbitrary string.
     pub fn matches(&self, host: &str) -> bool {
         match self {
             HostPattern::Exact(name) => name == host,
-            HostPattern::Under(suffix) => {
-                host.len() > suffix.len() && host.ends_with(suffix.as_str())
-            }
+            HostPattern::Under(suffix) => host
+                .strip_suffix(suffix.as_str())
+                .is_some_and(|label| !label.contains('.') && dns_name(host)),
             HostPattern::Address(ip) => {
                 host.trim_start_matches('[').trim_end_matches(']').parse() == Ok(*ip)
             }
@@ -102,6 +97,37 @@ impl std::fmt::Display for HostPattern {
             HostPattern::Address(ip) => write!(f, "{ip}"),
         }
     }
+}
+
+/// What `check` and `serve` warn of: an upstream that claims several hosts (several accounts)
+/// but sends every request to one fixed url — right for a test's fake, wrong in production,
+/// where each account's requests and credentials would reach one account.
+pub fn warnings(upstreams: &[std::sync::Arc<super::Upstream>]) -> Vec<String> {
+    upstreams
+        .iter()
+        .filter(|u| !u.url_host && (u.hosts.len() > 1 || u.hosts.iter().any(HostPattern::is_wildcard)))
+        .map(|u| {
+            format!(
+                "upstream {:?} claims several hosts ({}) but sends every intercepted request to {}; unless that is a test's fake, use url = \"https://{{host}}\"",
+                u.name,
+                u.hosts.iter().map(|h| h.to_string()).collect::<Vec<_>>().join(", "),
+                u.authority
+            )
+        })
+        .collect()
+}
+
+/// A DNS name: labels of letters, digits, `-` and `_`, 1–63 bytes each, 253 in all.
+pub fn dns_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
 }
 
 /// Compiles a list of host patterns, each error at its place.
@@ -184,7 +210,11 @@ mod tests {
         let exact = HostPattern::parse("API.hubapi.com").unwrap();
         assert!(exact.matches("api.hubapi.com") && !exact.matches("x.api.hubapi.com"));
         let under = HostPattern::parse("*.zendesk.com").unwrap();
-        assert!(under.matches("acme.zendesk.com") && under.matches("a.b.zendesk.com"));
+        assert!(under.matches("acme.zendesk.com") && !under.matches("a.b.zendesk.com"));
+        assert!(
+            !under.matches("a b.zendesk.com")
+                && !under.matches(&format!("{}.zendesk.com", "a".repeat(64)))
+        );
         assert!(!under.matches("zendesk.com") && !under.matches("evilzendesk.com"));
         assert!(under.is_wildcard() && !exact.is_wildcard());
         let ip = HostPattern::parse("127.0.0.1").unwrap();

@@ -26,7 +26,8 @@ const CA_DAYS: i64 = 3650;
 const LEAF_DAYS: i64 = 90;
 /// A cached leaf is minted again after this long, well inside its validity.
 const LEAF_REFRESH: std::time::Duration = std::time::Duration::from_secs(7 * 86_400);
-/// Most leaves kept; past it the cache starts over (hosts come only from upstreams' `hosts`).
+/// Most leaves kept; past it one is dropped for each new one (hosts come only from upstreams'
+/// `hosts`, as well-formed names).
 const MAX_LEAVES: usize = 4096;
 
 /// The CA, ready to mint leaves.
@@ -95,7 +96,10 @@ impl Authority {
         let cfg = Arc::new(self.mint(host)?);
         let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
         if cache.len() >= MAX_LEAVES {
-            cache.clear();
+            // One out, not all: the hosts in use keep their leaves.
+            if let Some(old) = cache.keys().next().cloned() {
+                cache.remove(&old);
+            }
         }
         cache.insert(host.to_owned(), (std::time::Instant::now(), cfg.clone()));
         Ok(cfg)

@@ -30,21 +30,22 @@ pub struct Egress {
     pub ca: ca::Authority,
 }
 
-/// Where a handler leaves the task that carries a connection on after an upgrade (a
-/// `CONNECT`): the connection's serving task awaits it, so the connection keeps its slot
-/// until the tunnel ends and is shed with it (the task is aborted when dropped).
+/// Where a handler leaves the tasks that carry a connection on after an upgrade (a `CONNECT`;
+/// several on one HTTP/2 connection): the connection's serving task awaits them, so the
+/// connection keeps its slot until its tunnels end and is shed with them (each task is aborted
+/// when dropped). A std `Mutex`: held to push or take, never across an await.
 #[derive(Clone, Default)]
-pub struct Afterwards(Arc<Mutex<Option<AbortOnDropHandle<()>>>>);
+pub struct Afterwards(Arc<Mutex<Vec<AbortOnDropHandle<()>>>>);
 
 impl Afterwards {
-    fn set(&self, task: tokio::task::JoinHandle<()>) {
-        let mut slot = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        *slot = Some(AbortOnDropHandle::new(task));
+    fn add(&self, task: tokio::task::JoinHandle<()>) {
+        let mut tasks = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        tasks.push(AbortOnDropHandle::new(task));
     }
 
-    /// The task left by a handler, if any (awaited by the connection's serving task).
-    pub fn take(&self) -> Option<AbortOnDropHandle<()>> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).take()
+    /// The tasks left by handlers (awaited by the connection's serving task).
+    pub fn take(&self) -> Vec<AbortOnDropHandle<()>> {
+        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
@@ -94,7 +95,14 @@ async fn route(
             "this is the egress listener, a forward proxy: send CONNECT host:443, or an absolute URL (set HTTPS_PROXY / HTTP_PROXY to it)",
         )
     })?;
-    let host = authority.host().trim_end_matches('.').to_ascii_lowercase();
+    // An IPv6 literal without its brackets (`[::1]` is `::1`, to connect to and to name in a
+    // certificate); a name without its trailing dot.
+    let host = authority
+        .host()
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .trim_end_matches('.')
+        .to_ascii_lowercase();
     let claimed = claimant(&state.config.upstreams, &host);
     if req.method() == Method::CONNECT {
         if let Some(upstream) = claimed {
@@ -176,7 +184,11 @@ fn intercept(
             }
             Err(_) => return tracing::debug!(%host, "TLS handshake timed out"),
         };
+        let spoke = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let heard = spoke.clone();
+        let peer = format!("intercepted {host}");
         let svc = hyper::service::service_fn(move |req| {
+            heard.store(true, std::sync::atomic::Ordering::Relaxed);
             let (state, listener) = (
                 live.load_full(),
                 Listener::Egress(upstream.clone(), host.clone()),
@@ -193,9 +205,9 @@ fn intercept(
             .timer(TokioTimer::new())
             .keep_alive_interval(Duration::from_secs(30))
             .keep_alive_timeout(Duration::from_secs(10));
-        if let Err(e) = builder.serve_connection(TokioIo::new(stream), svc).await {
-            tracing::debug!(error = %e, "intercepted connection ended with an error");
-        }
+        // As on every listener: a connection that sends no request in time is closed.
+        let conn = builder.serve_connection(TokioIo::new(stream), svc);
+        crate::accept::drive(conn, &spoke, peer).await;
     });
     Ok(empty(StatusCode::OK))
 }
@@ -204,7 +216,7 @@ fn intercept(
 fn after<B>(req: &Request<B>, work: impl std::future::Future<Output = ()> + Send + 'static) {
     let task = tokio::spawn(work);
     if let Some(slot) = req.extensions().get::<Afterwards>() {
-        slot.set(task);
+        slot.add(task);
     }
 }
 

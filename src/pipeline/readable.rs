@@ -8,15 +8,17 @@ use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::template::Source;
 use http::HeaderMap;
 
-/// The intercepted host, when the upstream claims several (`*.zendesk.com`): it is then part of
-/// the scope, as the account the API acts for.
+/// The intercepted host, when the upstream claims several (`*.zendesk.com`, or more than one
+/// name) or sends each request to its own host (`https://{host}`): it is then part of the
+/// scope, as the account the API acts for.
 pub(super) fn wildcard_host<'a>(upstream: &Upstream, host: Option<&'a str>) -> Option<&'a str> {
-    host.filter(|_| {
-        upstream
+    let several = upstream.url_host
+        || upstream.hosts.len() > 1
+        || upstream
             .hosts
             .iter()
-            .any(crate::config::HostPattern::is_wildcard)
-    })
+            .any(crate::config::HostPattern::is_wildcard);
+    host.filter(|_| several)
 }
 
 /// The query's fields as text, once every part of the request the route's templates read is

@@ -187,6 +187,14 @@ impl<'a> Settler<'a> {
                     "a forced release drops a stored answer: a note is required, saying why".into(),
                 ))
             }
+            KeyState::Completed if !whole => {
+                return Err(Refused::Invalid(
+                    "a forced release acts on a key that one record carries, named by the key \
+                     alone; this one has several (other upstreams or callers' scopes), and \
+                     their answers are theirs"
+                        .into(),
+                ))
+            }
             KeyState::Completed if whole => {
                 let held = self.lock(&record.entities).await?;
                 let released = self.store.release_key(key).await;

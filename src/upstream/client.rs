@@ -187,6 +187,14 @@ fn plain_http_host(
     http::HeaderValue::from_str(&host).ok()
 }
 
+/// [`default_roots`], read once for the process: clients made while serving (one per host an
+/// egress request was intercepted for) must not read the system's certificates again.
+pub fn shared_roots() -> &'static rustls::RootCertStore {
+    static ROOTS: std::sync::LazyLock<rustls::RootCertStore> =
+        std::sync::LazyLock::new(default_roots);
+    &ROOTS
+}
+
 /// The system's trust roots plus the webpki roots, loaded once per process.
 pub fn default_roots() -> rustls::RootCertStore {
     let mut roots = rustls::RootCertStore::empty();

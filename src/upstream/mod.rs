@@ -8,7 +8,7 @@ pub mod passthrough;
 
 pub use call::{describe, Called, PrefixedBody};
 pub use client::{
-    default_roots, full, request_headers, strip_hop_by_hop, BoundedConnect, BoxError, ProxyBody,
-    UpstreamClient,
+    default_roots, full, request_headers, shared_roots, strip_hop_by_hop, BoundedConnect, BoxError,
+    ProxyBody, UpstreamClient,
 };
 pub use passthrough::{passthrough, Target};
