@@ -198,32 +198,6 @@ impl RateLimitedLog {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn log_lines_are_rate_limited() {
-        let mut log = RateLimitedLog::default();
-        let mut lines = 0;
-        for _ in 0..10_000 {
-            log.log(|_| lines += 1);
-        }
-        assert_eq!(lines, 1);
-        assert_eq!(log.suppressed, 9_999);
-    }
-
-    #[test]
-    fn out_of_descriptors_is_exhaustion() {
-        assert!(is_resource_exhaustion(&std::io::Error::from_raw_os_error(
-            libc::EMFILE
-        )));
-        assert!(!is_resource_exhaustion(&std::io::Error::from_raw_os_error(
-            libc::ECONNABORTED
-        )));
-    }
-}
-
 /// How long a client may take to send a request head (and how long a connection may idle
 /// before its first request).
 pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -251,5 +225,31 @@ where
     };
     if let Err(e) = result {
         tracing::debug!(%peer, error = %e, "connection ended with an error");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_lines_are_rate_limited() {
+        let mut log = RateLimitedLog::default();
+        let mut lines = 0;
+        for _ in 0..10_000 {
+            log.log(|_| lines += 1);
+        }
+        assert_eq!(lines, 1);
+        assert_eq!(log.suppressed, 9_999);
+    }
+
+    #[test]
+    fn out_of_descriptors_is_exhaustion() {
+        assert!(is_resource_exhaustion(&std::io::Error::from_raw_os_error(
+            libc::EMFILE
+        )));
+        assert!(!is_resource_exhaustion(&std::io::Error::from_raw_os_error(
+            libc::ECONNABORTED
+        )));
     }
 }
