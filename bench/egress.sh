@@ -7,15 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS=${1:-3}; DUR=${2:-5}; CONN=${3:-16}
-WORK=$(mktemp -d /tmp/idemproxy-egress.XXXXXX)
-chmod 755 "$WORK"
-cleanup() {
-  kill $(cat "$WORK"/*.pid 2>/dev/null) 2>/dev/null || true
-  nginx -p "$WORK" -c "$WORK/nginx.conf" -s stop 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
 . bench/lib.sh
+work_dir egress
 need nginx openssl
 cargo build --release -q --bin idemproxy --example tls_load --example mint
 UP=$(free_port); PROXY=$(free_port); ADMIN=$(free_port); EGRESS=$(free_port)

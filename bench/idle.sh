@@ -6,15 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${1:-1000}
-WORK=$(mktemp -d /tmp/idemproxy-idle.XXXXXX)
-chmod 755 "$WORK"
-cleanup() {
-  kill $(cat "$WORK"/*.pid 2>/dev/null) 2>/dev/null || true
-  nginx -p "$WORK" -c "$WORK/nginx.conf" -s stop 2>/dev/null || true
-  rm -rf "$WORK"
-}
-trap cleanup EXIT
 . bench/lib.sh
+work_dir idle
 need nginx python3
 ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 cargo build --release -q --bin idemproxy

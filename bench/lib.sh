@@ -1,6 +1,14 @@
 # Shared by the bench scripts (sourced): tools, free ports, and the static nginx upstream that
 # every workload is proxied to.
 
+# work_dir NAME: a fresh work directory in $WORK (readable by the postgres user), removed on
+# exit with every process whose pid file is in it and the nginx it runs.
+work_dir() {
+  WORK=$(mktemp -d "/tmp/idemproxy-$1.XXXXXX")
+  chmod 755 "$WORK"
+  trap 'kill $(cat "$WORK"/*.pid 2>/dev/null) 2>/dev/null || true; nginx -p "$WORK" -c "$WORK/nginx.conf" -s stop 2>/dev/null || true; rm -rf "$WORK"' EXIT
+}
+
 # Exits with an install hint unless every tool named is on PATH.
 need() {
   for tool in "$@"; do

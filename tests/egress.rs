@@ -287,21 +287,6 @@ async fn a_ca_key_others_can_read_is_refused_at_start() {
     assert!(format!("{err:#}").contains("chmod 600"), "{err:#}");
 }
 
-fn python(script: &str, env: &[(&str, String)]) -> serde_json::Value {
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-        .output()
-        .expect("run python3");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
-}
-
 const REQUESTS: &str = r#"
 import json, requests
 s = requests.Session()
@@ -331,9 +316,11 @@ async fn requests_with_https_proxy_writes_once_per_zendesk_account() {
         ("REQUESTS_CA_BUNDLE", e.ca.display().to_string()),
         ("NO_PROXY", String::new()),
     ];
-    let out = tokio::task::spawn_blocking(move || python(REQUESTS, &env))
-        .await
-        .expect("python");
+    let out = tokio::task::spawn_blocking(move || {
+        python_json(std::path::Path::new("python3"), REQUESTS, &[], &env)
+    })
+    .await
+    .expect("python");
     // acme's retry replays; globex's ticket 42 is another account's: its own write.
     assert_eq!(
         out,
@@ -372,9 +359,11 @@ async fn stripe_python_with_its_proxy_setting_creates_one_customer() {
         ("PROXY", format!("http://{}", e.addr)),
         ("CA", e.ca.display().to_string()),
     ];
-    let out = tokio::task::spawn_blocking(move || python(STRIPE, &env))
-        .await
-        .expect("python");
+    let out = tokio::task::spawn_blocking(move || {
+        python_json(std::path::Path::new("python3"), STRIPE, &[], &env)
+    })
+    .await
+    .expect("python");
     assert_eq!(out, serde_json::json!(["cus_1", "cus_1"]));
     assert_eq!(api.count_method("POST"), 1);
     // Stripe gets the proxy's key, so it dedupes a re-forward itself.

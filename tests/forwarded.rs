@@ -157,24 +157,6 @@ async fn a_cookie_jar_does_not_turn_a_retry_into_a_new_write() {
     assert_eq!(api.count(), 2);
 }
 
-/// Runs a Python script with `args`; its stdout is one JSON object.
-fn python(program: &Path, script: &str, args: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
-    let out = std::process::Command::new(program)
-        .arg("-c")
-        .arg(script)
-        .args(args)
-        .envs(env.iter().copied())
-        .output()
-        .unwrap_or_else(|e| panic!("run {}: {e}", program.display()));
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}"))
-}
-
 const REQUESTS_SESSION: &str = r#"
 import json, sys, requests
 url = sys.argv[1]
@@ -199,7 +181,7 @@ async fn requests_session_keeps_its_cookies_and_writes_once() {
     let proxy = TestProxy::start(&shipped(&[("HUBSPOT_API_URL", api.url())], &[])).await;
     let url = proxy.url(CONTACT);
     let out = tokio::task::spawn_blocking(move || {
-        python(Path::new("python3"), REQUESTS_SESSION, &[&url], &[])
+        python_json(Path::new("python3"), REQUESTS_SESSION, &[&url], &[])
     })
     .await
     .expect("the script's thread");
@@ -242,10 +224,10 @@ async fn zenpy_keeps_its_cookies_and_updates_a_ticket_once() {
     let netloc = proxy.upstream_addr("zendesk").to_string();
     let out = tokio::task::spawn_blocking(move || {
         let env = [
-            ("ZENPY_FORCE_NETLOC", netloc.as_str()),
-            ("ZENPY_FORCE_SCHEME", "http"),
+            ("ZENPY_FORCE_NETLOC", netloc),
+            ("ZENPY_FORCE_SCHEME", "http".to_owned()),
         ];
-        python(&venv, ZENPY, &[], &env)
+        python_json(&venv, ZENPY, &[], &env)
     })
     .await
     .expect("the script's thread");

@@ -202,28 +202,61 @@ async fn egress_proxy(apis: &[(&str, String)]) -> (TestProxy, PathBuf) {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn n8n_built_in_nodes_write_once_through_the_egress_listener() {
-    if !have_n8n() {
-        return;
-    }
-    let (hs, zd) = (hubspot(false).await, zendesk(false).await);
-    let (st, customers) = stripe(false).await;
+/// The three fake APIs, the shipped proxy in front of them with its egress listener on.
+struct Fleet {
+    hs: RecordingUpstream,
+    zd: RecordingUpstream,
+    st: RecordingUpstream,
+    customers: Arc<Mutex<HashMap<String, Value>>>,
+    proxy: TestProxy,
+    ca: PathBuf,
+}
+
+/// With `drop_first`, each API applies its first write and drops the answer.
+async fn fleet(drop_first: bool) -> Fleet {
+    let (hs, zd) = (hubspot(drop_first).await, zendesk(drop_first).await);
+    let (st, customers) = stripe(drop_first).await;
     let apis = [
         ("HUBSPOT_API_URL", hs.url()),
         ("ZENDESK_API_URL", zd.url()),
         ("STRIPE_API_URL", st.url()),
     ];
     let (proxy, ca) = egress_proxy(&apis).await;
-    let addr = proxy.egress_addr.expect("egress listener");
-    let outcome = tokio::task::spawn_blocking(move || {
-        let n8n = N8n::new(addr, &ca);
-        n8n.import("workflow", &workflow("wf-once"));
-        // Run twice: the second is the same event delivered again.
-        (n8n.execute("wf-once"), n8n.execute("wf-once"))
-    })
-    .await
-    .expect("n8n's thread");
+    Fleet {
+        hs,
+        zd,
+        st,
+        customers,
+        proxy,
+        ca,
+    }
+}
+
+impl Fleet {
+    /// Runs workflow `id` `times` times in one n8n home: each run's success and output.
+    async fn runs(&self, id: &'static str, times: usize) -> Vec<(bool, String)> {
+        let addr = self.proxy.egress_addr.expect("egress listener");
+        let ca = self.ca.clone();
+        tokio::task::spawn_blocking(move || {
+            let n8n = N8n::new(addr, &ca);
+            n8n.import("workflow", &workflow(id));
+            (0..times).map(|_| n8n.execute(id)).collect()
+        })
+        .await
+        .expect("n8n's thread")
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n8n_built_in_nodes_write_once_through_the_egress_listener() {
+    if !have_n8n() {
+        return;
+    }
+    let f = fleet(false).await;
+    let runs = f.runs("wf-once", 2).await;
+    let (hs, zd, st, customers) = (&f.hs, &f.zd, &f.st, &f.customers);
+    // The second run is the same event delivered again.
+    let outcome = ((runs[0].0, &runs[0].1), (runs[1].0, &runs[1].1));
     let ((first, a), (second, b)) = outcome;
     assert!(first, "the first run: {a}");
     assert!(second, "the second run: {b}");
@@ -253,22 +286,10 @@ async fn answers_dropped_after_each_write_settle_and_the_run_finishes() {
     if !have_n8n() {
         return;
     }
-    let (hs, zd) = (hubspot(true).await, zendesk(true).await);
-    let (st, customers) = stripe(true).await;
-    let apis = [
-        ("HUBSPOT_API_URL", hs.url()),
-        ("ZENDESK_API_URL", zd.url()),
-        ("STRIPE_API_URL", st.url()),
-    ];
-    let (proxy, ca) = egress_proxy(&apis).await;
-    let addr = proxy.egress_addr.expect("egress listener");
-    let (ok, text) = tokio::task::spawn_blocking(move || {
-        let n8n = N8n::new(addr, &ca);
-        n8n.import("workflow", &workflow("wf-retry"));
-        n8n.execute("wf-retry")
-    })
-    .await
-    .expect("n8n's thread");
+    let f = fleet(true).await;
+    let runs = f.runs("wf-retry", 1).await;
+    let (hs, zd, st, customers) = (&f.hs, &f.zd, &f.st, &f.customers);
+    let (ok, text) = (runs[0].0, &runs[0].1);
     assert!(ok, "the run finishes: {text}");
     assert_eq!(
         zd.count_method("PUT"),

@@ -325,3 +325,33 @@ pub async fn shipped_proxy(dir: &super::TestDir, apis: &[(&str, String)]) -> Pro
     ]);
     ProxyProcess::spawn_with_env(&config, &env).await
 }
+
+/// Runs `program -c script args…` with `env` added to its environment, to its end: panics
+/// unless it succeeds; its last line that is a JSON object is its result (a client's own logs
+/// may come before).
+pub fn python_json(
+    program: &Path,
+    script: &str,
+    args: &[&str],
+    env: &[(&str, String)],
+) -> serde_json::Value {
+    let out = Command::new(program)
+        .arg("-c")
+        .arg(script)
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+        .output()
+        .unwrap_or_else(|e| panic!("run {}: {e}", program.display()));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let last = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{') || l.starts_with('['))
+        .unwrap_or_default();
+    serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+}
