@@ -317,7 +317,7 @@ async fn requests_with_https_proxy_writes_once_per_zendesk_account() {
         ("NO_PROXY", String::new()),
     ];
     let out = tokio::task::spawn_blocking(move || {
-        python_json(std::path::Path::new("python3"), REQUESTS, &[], &env)
+        run_json(std::path::Path::new("python3"), &["-c", REQUESTS], &env)
     })
     .await
     .expect("python");
@@ -360,7 +360,7 @@ async fn stripe_python_with_its_proxy_setting_creates_one_customer() {
         ("CA", e.ca.display().to_string()),
     ];
     let out = tokio::task::spawn_blocking(move || {
-        python_json(std::path::Path::new("python3"), STRIPE, &[], &env)
+        run_json(std::path::Path::new("python3"), &["-c", STRIPE], &env)
     })
     .await
     .expect("python");

@@ -181,7 +181,7 @@ async fn requests_session_keeps_its_cookies_and_writes_once() {
     let proxy = TestProxy::start(&shipped(&[("HUBSPOT_API_URL", api.url())], &[])).await;
     let url = proxy.url(CONTACT);
     let out = tokio::task::spawn_blocking(move || {
-        python_json(Path::new("python3"), REQUESTS_SESSION, &[&url], &[])
+        run_json(Path::new("python3"), &["-c", REQUESTS_SESSION, &url], &[])
     })
     .await
     .expect("the script's thread");
@@ -227,7 +227,7 @@ async fn zenpy_keeps_its_cookies_and_updates_a_ticket_once() {
             ("ZENPY_FORCE_NETLOC", netloc),
             ("ZENPY_FORCE_SCHEME", "http".to_owned()),
         ];
-        python_json(&venv, ZENPY, &[], &env)
+        run_json(&venv, &["-c", ZENPY], &env)
     })
     .await
     .expect("the script's thread");

@@ -80,24 +80,13 @@ impl Drop for DevServer {
 
 /// Runs the worker and the workflow to its end (the worker waits for the server to answer).
 fn run_workflow(temporal: &str, proxy: &str, start_to_close: &str, id: &str) -> Value {
-    let out = Command::new(python())
-        .arg(dir().join("worker.py"))
-        .args([temporal, proxy, start_to_close, id])
-        .output()
-        .expect("run the Temporal worker");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    // The SDK's core logs to stdout too: the result is the last line.
-    let last = stdout
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .unwrap_or_default();
-    serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {stdout}"))
+    let worker = dir().join("worker.py");
+    let worker = worker.to_string_lossy();
+    run_json(
+        &python(),
+        &[&worker, temporal, proxy, start_to_close, id],
+        &[],
+    )
 }
 
 fn contact() -> Value {

@@ -39,7 +39,7 @@ pub use client::{
     try_request, try_send, Resp,
 };
 #[allow(unused_imports)]
-pub use process::{cli, faults_binary, python_json, shipped_proxy, ProxyProcess};
+pub use process::{cli, faults_binary, run_json, shipped_proxy, ProxyProcess};
 #[allow(unused_imports)]
 pub use proxy::{shipped_text, TestDir, TestProxy};
 #[allow(unused_imports)]

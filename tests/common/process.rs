@@ -326,18 +326,11 @@ pub async fn shipped_proxy(dir: &super::TestDir, apis: &[(&str, String)]) -> Pro
     ProxyProcess::spawn_with_env(&config, &env).await
 }
 
-/// Runs `program -c script args…` with `env` added to its environment, to its end: panics
-/// unless it succeeds; its last line that is a JSON object is its result (a client's own logs
-/// may come before).
-pub fn python_json(
-    program: &Path,
-    script: &str,
-    args: &[&str],
-    env: &[(&str, String)],
-) -> serde_json::Value {
+/// Runs `program args…` (a client script) with `env` added to its environment, to its end:
+/// panics unless it succeeds; its last line that is JSON is its result (a client's own logs may
+/// come before).
+pub fn run_json(program: &Path, args: &[&str], env: &[(&str, String)]) -> serde_json::Value {
     let out = Command::new(program)
-        .arg("-c")
-        .arg(script)
         .args(args)
         .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
         .output()
