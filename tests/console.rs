@@ -334,8 +334,16 @@ async fn overview(w: &World, b: &Browser) {
     running(b).await;
 }
 
-/// What runs: upstreams, routes and listeners from the configuration in force; no secret.
+/// What runs: upstreams, routes and listeners from the configuration in force; no secret. And
+/// each upstream's health: the three unknown outcomes of the night show against `api`.
 async fn running(b: &Browser) {
+    b.navigate("header nav a[href='/console/upstreams']").await;
+    let unknown = b
+        .text("table.health tr[data-upstream='api'] td:nth-child(6)")
+        .await;
+    assert_eq!(unknown, "3", "the night's unknown outcomes");
+    b.assert_unharmed().await;
+    b.screenshot("09c-upstreams").await;
     b.navigate("header nav a[href='/console/running']").await;
     let text = b.text("main").await;
     for want in [

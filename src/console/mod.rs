@@ -8,6 +8,8 @@
 //! - `/console/key?k=…` — [`keys`]: a key's records, stored answer and attempts.
 //! - `/console/overview?window=…` — [`overview`]: decisions per route over a window, with a
 //!   [`chart`].
+//! - `/console/upstreams?window=…` — [`health`]: each upstream's answers by status, unknown
+//!   outcomes, unreachable calls and time, over the window and in six slices of it.
 //! - `/console/running` — [`running`]: the version, store, listeners, upstreams and routes in
 //!   force (Traefik's and HAProxy's dashboards show theirs), never a secret.
 //! - `/login`, `/logout` — [`session`]: sign-in with the admin token, a session cookie, and
@@ -25,6 +27,7 @@ mod chart;
 mod clock;
 mod decision;
 mod form;
+mod health;
 mod keys;
 mod overview;
 mod page;
@@ -157,6 +160,9 @@ async fn view(
             .await
             .map(|m| (true, m)),
         "/console/running" => Ok((true, running::page(state, frame))),
+        "/console/upstreams" => health::page(state, frame, query.get("window"))
+            .await
+            .map(|m| (true, m)),
         _ => return not_found(),
     };
     match page {

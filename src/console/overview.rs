@@ -145,6 +145,7 @@ mod tests {
             decision: decision.into(),
             minute,
             requests,
+            ..Default::default()
         }
     }
 

@@ -24,6 +24,7 @@ pub const CSP: &str = "default-src 'none'; style-src 'self'; img-src 'self'; \
 pub enum Nav<'a> {
     Attention,
     Overview,
+    Upstreams,
     Running,
     Entity(&'a str),
     Key(&'a str),
@@ -54,6 +55,7 @@ pub fn layout(frame: &Frame, nav: Nav, title: &str, body: Markup) -> Markup {
                     nav {
                         a class=(current(Nav::Attention)) href="/" { "Needs attention" }
                         a class=(current(Nav::Overview)) href="/console/overview" { "Overview" }
+                        a class=(current(Nav::Upstreams)) href="/console/upstreams" { "Upstreams" }
                         a class=(current(Nav::Running)) href="/console/running" { "Running" }
                     }
                     form.search method="get" action="/console/entity" {

@@ -145,14 +145,22 @@ pub struct KeyFilter {
     pub oldest_first: bool,
 }
 
-/// Requests of one route that ended with one decision within one minute (the console's
-/// overview): `minute` is the minute's start, in ms since the epoch.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Requests of one route that ended with one decision and one class of upstream status within
+/// one minute (the console's overview and upstream health): `minute` is the minute's start, in
+/// ms since the epoch.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct AuditCount {
     pub route: String,
     pub decision: String,
     pub minute: i64,
     pub requests: i64,
+    /// The upstream's status divided by 100 (2 for 2xx); 0 when nothing answered.
+    pub class: i64,
+    /// Of the rows with an upstream call: how many, their upstream milliseconds summed, and
+    /// the longest.
+    pub timed: i64,
+    pub upstream_ms: i64,
+    pub upstream_max_ms: i64,
 }
 
 /// Told how a write nobody waits on went (see [`super::When::Later`]), exactly once: one dropped

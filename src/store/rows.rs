@@ -132,6 +132,10 @@ pub fn audit_count(row: &impl Cols) -> StoreResult<crate::store::AuditCount> {
         decision: row.text("decision")?,
         minute: row.int("minute")?,
         requests: row.int("requests")?,
+        class: row.int("class")?,
+        timed: row.int("timed")?,
+        upstream_ms: row.int("upstream_ms")?,
+        upstream_max_ms: row.int("upstream_max_ms")?,
     })
 }
 

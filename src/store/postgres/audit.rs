@@ -136,8 +136,11 @@ impl AuditLog for PgStore {
     }
     async fn audit_counts(&self, since: i64) -> StoreResult<Vec<AuditCount>> {
         let rows = sqlx::query(
-            "SELECT route, decision, (at / 60000) * 60000 AS minute, SUM(requests)::int8 AS requests \
-             FROM idem_audit WHERE at >= $1 GROUP BY route, decision, minute ORDER BY minute",
+            "SELECT route, decision, (at / 60000) * 60000 AS minute, \
+             COALESCE(upstream_status / 100, 0)::int8 AS class, SUM(requests)::int8 AS requests, \
+             COUNT(upstream_ms)::int8 AS timed, COALESCE(SUM(upstream_ms), 0)::int8 AS upstream_ms, \
+             COALESCE(MAX(upstream_ms), 0)::int8 AS upstream_max_ms \
+             FROM idem_audit WHERE at >= $1 GROUP BY route, decision, minute, class ORDER BY minute",
         )
         .bind(since)
         .fetch_all(&self.pool)
