@@ -373,3 +373,46 @@ async fn stripe_python_with_its_proxy_setting_creates_one_customer() {
         .expect("a key sent to Stripe");
     assert!(key.starts_with("stripe-customer-create:"), "{key}");
 }
+
+/// An upstream that names a host exactly takes it from one that claims it by `*.domain`.
+#[tokio::test]
+async fn an_exact_host_wins_over_a_wildcard() {
+    let (zendesk, acme) = (
+        RecordingUpstream::start().await,
+        RecordingUpstream::start().await,
+    );
+    let own = format!(
+        "[upstreams.acme]\nurl = \"{}\"\nhosts = [\"acme.zendesk.com\"]\n\n[upstreams.zendesk]",
+        acme.url()
+    );
+    let e = egress(
+        &[("ZENDESK_API_URL", zendesk.url())],
+        &[("[upstreams.zendesk]", own.as_str())],
+    )
+    .await;
+    let e = std::sync::Arc::new(e);
+    for account in ["acme", "globex"] {
+        let url = format!("https://{account}.zendesk.com/api/v2/tickets/42.json");
+        let (status, head, _) = tokio::task::spawn_blocking({
+            let e = e.clone();
+            move || {
+                curl(
+                    &e,
+                    &[
+                        "-X",
+                        "PUT",
+                        "-H",
+                        "content-type: application/json",
+                        "--data",
+                        r#"{"ticket":{"status":"open"}}"#,
+                        &url,
+                    ],
+                )
+            }
+        })
+        .await
+        .expect("curl");
+        assert_eq!(status, 200, "{account}: {head}");
+    }
+    assert_eq!((acme.count(), zendesk.count()), (1, 1));
+}

@@ -136,12 +136,17 @@ async fn route(
     Ok(router::handle(state, Listener::Egress(upstream, host), req).await)
 }
 
-/// The upstream whose `hosts` claim `host` (the first, in the file's order).
+/// The upstream whose `hosts` claim `host`: one that names it exactly before one that claims
+/// it by `*.domain` (`acme.zendesk.com` may have an upstream of its own beside `*.zendesk.com`).
 fn claimant(upstreams: &[Arc<Upstream>], host: &str) -> Option<Arc<Upstream>> {
-    upstreams
-        .iter()
-        .find(|u| u.hosts.iter().any(|h: &HostPattern| h.matches(host)))
-        .cloned()
+    let claims = |wildcard: bool| {
+        upstreams.iter().find(|u| {
+            u.hosts
+                .iter()
+                .any(|h: &HostPattern| h.is_wildcard() == wildcard && h.matches(host))
+        })
+    };
+    claims(false).or_else(|| claims(true)).cloned()
 }
 
 fn not_allowed(host: &str) -> ProxyError {
