@@ -19,17 +19,7 @@ struct Egress {
 }
 
 async fn egress(apis: &[(&str, String)], extra: &[(&str, &str)]) -> Egress {
-    let dir = TestDir::new();
-    let (ca, key) = idemproxy::egress::ca::init(&dir.path().join("certs")).expect("ca init");
-    let mut all: Vec<(&str, String)> = apis.to_vec();
-    all.extend([
-        ("IDEMPROXY_LISTEN", "127.0.0.1:0".into()),
-        ("IDEMPROXY_ADMIN_LISTEN", "127.0.0.1:0".into()),
-        ("IDEMPROXY_EGRESS_LISTEN", "127.0.0.1:0".into()),
-        ("IDEMPROXY_CA_CERT", ca.display().to_string()),
-        ("IDEMPROXY_CA_KEY", key.display().to_string()),
-    ]);
-    let proxy = TestProxy::start_in(dir, &shipped_text(&all, extra)).await;
+    let (proxy, ca) = shipped_egress(apis, extra).await;
     let addr = proxy.egress_addr.expect("the egress listener is on");
     Egress {
         _proxy: proxy,

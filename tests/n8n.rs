@@ -185,23 +185,6 @@ async fn stripe(drop_first: bool) -> (RecordingUpstream, Arc<Mutex<HashMap<Strin
     (api, seen)
 }
 
-async fn egress_proxy(apis: &[(&str, String)]) -> (TestProxy, PathBuf) {
-    let dir = TestDir::new();
-    let (ca, key) = idemproxy::egress::ca::init(&dir.path().join("certs")).expect("ca init");
-    let mut vars: Vec<(&str, String)> = apis.to_vec();
-    vars.extend([
-        ("IDEMPROXY_LISTEN", "127.0.0.1:0".into()),
-        ("IDEMPROXY_ADMIN_LISTEN", "127.0.0.1:0".into()),
-        ("IDEMPROXY_EGRESS_LISTEN", "127.0.0.1:0".into()),
-        ("IDEMPROXY_CA_CERT", ca.display().to_string()),
-        ("IDEMPROXY_CA_KEY", key.display().to_string()),
-    ]);
-    (
-        TestProxy::start_in(dir, &shipped_text(&vars, &[])).await,
-        ca,
-    )
-}
-
 /// The three fake APIs, the shipped proxy in front of them with its egress listener on.
 struct Fleet {
     hs: RecordingUpstream,
@@ -221,7 +204,7 @@ async fn fleet(drop_first: bool) -> Fleet {
         ("ZENDESK_API_URL", zd.url()),
         ("STRIPE_API_URL", st.url()),
     ];
-    let (proxy, ca) = egress_proxy(&apis).await;
+    let (proxy, ca) = shipped_egress(&apis, &[]).await;
     Fleet {
         hs,
         zd,

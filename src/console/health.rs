@@ -9,13 +9,6 @@ use crate::store::{now_ms, AuditCount, StoreResult};
 use maud::{html, Markup};
 use std::collections::BTreeMap;
 
-/// The windows offered, as on the overview: name, label, length in ms.
-const WINDOWS: [(&str, &str, i64); 3] = [
-    ("hour", "last hour", 3_600_000),
-    ("day", "last day", 86_400_000),
-    ("week", "last week", 7 * 86_400_000),
-];
-
 /// Slices of the window shown one by one.
 const SLICES: i64 = 6;
 
@@ -62,11 +55,7 @@ pub async fn page(
     frame: &Frame<'_>,
     window: Option<&str>,
 ) -> StoreResult<Markup> {
-    let (name, label, length) = WINDOWS
-        .iter()
-        .copied()
-        .find(|(n, _, _)| Some(*n) == window)
-        .unwrap_or(WINDOWS[0]);
+    let (name, label, length) = super::overview::window(window);
     let now = now_ms();
     let from = now - length;
     let counts = state.store.audit_counts(from).await?;
@@ -105,11 +94,7 @@ pub async fn page(
     }
     let body = html! {
         h1 { "Upstreams" }
-        nav.windows {
-            @for (n, l, _) in WINDOWS {
-                a class=(if n == name { "current" } else { "" }) href={ "/console/upstreams?window=" (n) } { (l) }
-            }
-        }
+        (super::overview::window_links("/console/upstreams", name))
         p.lead { "What each API answered over the " (label) ", from the audit trail: answers by status, calls sent and left without an answer (unknown outcomes), calls never sent (unreachable), and the upstream's time." }
         table.health {
             thead { tr { th { "upstream" } th { "2xx" } th { "3xx" } th { "4xx" } th { "5xx" } th { "unknown" } th { "unreachable" } th { "mean ms" } th { "max ms" } } }

@@ -19,6 +19,27 @@ const WINDOWS: [(&str, &str, i64); 3] = [
     ("week", "last week", 7 * 86_400_000),
 ];
 
+/// The window a page was asked for (`hour`, `day` or `week`; the hour when absent or unknown):
+/// its name, label and length in ms. Shared by the pages that look back over a window.
+pub(super) fn window(asked: Option<&str>) -> (&'static str, &'static str, i64) {
+    WINDOWS
+        .iter()
+        .copied()
+        .find(|(n, _, _)| Some(*n) == asked)
+        .unwrap_or(WINDOWS[0])
+}
+
+/// The links to the other windows of the page at `path`, the current one marked.
+pub(super) fn window_links(path: &str, current: &str) -> Markup {
+    html! {
+        nav.windows {
+            @for (n, l, _) in WINDOWS {
+                a class=(if n == current { "current" } else { "" }) href={ (path) "?window=" (n) } { (l) }
+            }
+        }
+    }
+}
+
 /// Most bars in a chart: a day's minutes are drawn twelve to a bar.
 const BARS: i64 = 120;
 
@@ -38,11 +59,7 @@ pub async fn page(
     frame: &Frame<'_>,
     window: Option<&str>,
 ) -> StoreResult<Markup> {
-    let (name, label, length) = WINDOWS
-        .iter()
-        .copied()
-        .find(|(n, _, _)| Some(*n) == window)
-        .unwrap_or(WINDOWS[0]);
+    let (name, label, length) = self::window(window);
     let now = now_ms();
     let minute = 60_000;
     let step = (length / BARS).max(minute) / minute * minute;
@@ -53,11 +70,7 @@ pub async fn page(
     let series = buckets(&counts, from, step, (length / step) as usize);
     let body = html! {
         h1 { "Overview" }
-        nav.windows {
-            @for (n, l, _) in WINDOWS {
-                a class=(if n == name { "current" } else { "" }) href={ "/console/overview?window=" (n) } { (l) }
-            }
-        }
+        (window_links("/console/overview", name))
         @if routes.is_empty() {
             p.empty { "No protected request in the " (label) "." }
         } @else {

@@ -167,8 +167,7 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
     if state != KeyState::Released && rec.fingerprint != ctx.prepared.fingerprint {
         return Err(key_reused());
     }
-    // The upstream dedupes a re-send by our key, or applies this write idempotently.
-    let native = ctx.upstream.native_idempotency_header.is_some() || ctx.route.resend_unknown;
+    let native = ctx.resends_unknown();
     let reconcile = match state {
         KeyState::Unknown if !native => super::reconcile::on_retry(ctx, rec)?,
         _ => None,

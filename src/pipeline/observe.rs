@@ -127,7 +127,7 @@ async fn look(ctx: &mut Ctx) -> (Option<&'static str>, bool) {
     }
     if let Some(w) = record
         .as_ref()
-        .and_then(|r| would_for_record(r, &ctx.prepared.fingerprint, resends(ctx)))
+        .and_then(|r| would_for_record(r, &ctx.prepared.fingerprint, ctx.resends_unknown()))
     {
         return (Some(w), false);
     }
@@ -161,7 +161,7 @@ fn store_failed(ctx: &Ctx, e: crate::store::StoreError) -> (Option<&'static str>
 async fn reserve_key(ctx: &mut Ctx) -> bool {
     // As enforce mode after step 2: an unknown outcome is taken over when the upstream
     // dedupes by our key (`would_for_record` let it through only then).
-    let reservation = ctx.reservation(resends(ctx));
+    let reservation = ctx.reservation(ctx.resends_unknown());
     match ctx.state.store.reserve(reservation).await {
         Ok(Reserved::Owned { epoch, action }) => {
             ctx.epoch = epoch;
@@ -169,7 +169,7 @@ async fn reserve_key(ctx: &mut Ctx) -> bool {
             true
         }
         Ok(Reserved::Existing(rec)) => {
-            let w = would_for_record(&rec, &ctx.prepared.fingerprint, resends(ctx));
+            let w = would_for_record(&rec, &ctx.prepared.fingerprint, ctx.resends_unknown());
             ctx.observed = ctx.observed.or(w).or(Some("in_flight"));
             false
         }
@@ -178,10 +178,4 @@ async fn reserve_key(ctx: &mut Ctx) -> bool {
             false
         }
     }
-}
-
-/// Whether enforce mode sends a retry of an unknown outcome again: the upstream dedupes by our
-/// key, or the route's write is applied idempotently.
-fn resends(ctx: &Ctx) -> bool {
-    ctx.upstream.native_idempotency_header.is_some() || ctx.route.resend_unknown
 }

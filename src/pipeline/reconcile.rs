@@ -56,7 +56,7 @@ pub(super) fn on_retry(ctx: &Ctx, rec: &KeyRecord) -> Result<Option<Duration>, P
     let (Some(rc), true) = (&ctx.route.reconcile, applies(ctx)) else {
         return Ok(None);
     };
-    if ctx.upstream.native_idempotency_header.is_some() || ctx.route.resend_unknown {
+    if ctx.resends_unknown() {
         return Ok(None);
     }
     match due(rec, rc.after, ctx.upstream.timeout, now_ms()) {

@@ -12,6 +12,13 @@ use std::time::Duration;
 
 impl Ctx {
     /// The reservation of this request's key, for a full lease from now.
+    /// Whether a retry of an unknown outcome is sent again: the upstream dedupes by the key we
+    /// send, or the route's write is applied idempotently (`resend_unknown`). Then no
+    /// reconcile runs, and enforce mode takes the unknown key over.
+    pub(super) fn resends_unknown(&self) -> bool {
+        self.upstream.native_idempotency_header.is_some() || self.route.resend_unknown
+    }
+
     pub(super) fn reservation(&self, take_unknown: bool) -> Reservation {
         Reservation {
             id: self.prepared.id.clone(),

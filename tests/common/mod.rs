@@ -41,7 +41,7 @@ pub use client::{
 #[allow(unused_imports)]
 pub use process::{cli, faults_binary, run_json, shipped_proxy, ProxyProcess};
 #[allow(unused_imports)]
-pub use proxy::{shipped_text, TestDir, TestProxy};
+pub use proxy::{shipped_egress, shipped_text, TestDir, TestProxy};
 #[allow(unused_imports)]
 pub use tls::TestCa;
 #[allow(unused_imports)]

@@ -301,3 +301,26 @@ pub fn shipped_text(vars: &[(&str, String)], extra: &[(&str, &str)]) -> String {
     }
     text
 }
+
+/// The shipped `proxy.toml` with its listeners and its egress listener on `127.0.0.1:0`, a CA
+/// made for the test, each `${VAR}` of `apis` set (an API at its fake), `extra` replaced; the
+/// proxy and the CA certificate its clients must trust.
+pub async fn shipped_egress(
+    apis: &[(&str, String)],
+    extra: &[(&str, &str)],
+) -> (TestProxy, PathBuf) {
+    let dir = TestDir::new();
+    let (ca, key) = idemproxy::egress::ca::init(&dir.path().join("certs")).expect("ca init");
+    let mut vars: Vec<(&str, String)> = apis.to_vec();
+    vars.extend([
+        ("IDEMPROXY_LISTEN", "127.0.0.1:0".into()),
+        ("IDEMPROXY_ADMIN_LISTEN", "127.0.0.1:0".into()),
+        ("IDEMPROXY_EGRESS_LISTEN", "127.0.0.1:0".into()),
+        ("IDEMPROXY_CA_CERT", ca.display().to_string()),
+        ("IDEMPROXY_CA_KEY", key.display().to_string()),
+    ]);
+    (
+        TestProxy::start_in(dir, &shipped_text(&vars, extra)).await,
+        ca,
+    )
+}
