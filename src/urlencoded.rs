@@ -56,6 +56,22 @@ pub fn text_pairs(raw: &[u8]) -> Result<Vec<(String, String)>, String> {
         .collect()
 }
 
+/// Pairs decoded once (for the fingerprint's bytes) as text for the templates, or the first
+/// name or value that is not UTF-8 (see [`text_pairs`]).
+pub fn as_text(pairs: &[Pair]) -> Result<Vec<(String, String)>, String> {
+    pairs
+        .iter()
+        .map(|(name, value)| {
+            let name = std::str::from_utf8(name)
+                .map_err(|_| format!("the field name {} is not UTF-8 text", shown(name)))?;
+            let value = std::str::from_utf8(value).map_err(|_| {
+                format!("the value of {name:?} ({}) is not UTF-8 text", shown(value))
+            })?;
+            Ok((name.to_owned(), value.to_owned()))
+        })
+        .collect()
+}
+
 /// Bytes as a reader can see them: printable ASCII as is, anything else as `%XX`.
 pub fn shown(bytes: &[u8]) -> String {
     let mut out = String::with_capacity(bytes.len());

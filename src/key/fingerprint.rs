@@ -20,8 +20,8 @@ pub struct Intent<'a> {
     /// Upstream-relative path.
     /// Upstream-relative path, exactly as forwarded (`;params`, escapes and all).
     pub path: &'a str,
-    /// The raw query string, as forwarded.
-    pub query: Option<&'a str>,
+    /// The query's fields, decoded to bytes (never lossy text: `%FF` is not `%FE`).
+    pub query: &'a [Pair],
     pub body: &'a [u8],
     pub kind: BodyKind,
     /// The parsed body (JSON or form), if it parsed.
@@ -50,15 +50,12 @@ pub fn fingerprint(intent: &Intent<'_>, rule: &FingerprintRule) -> String {
     };
     field(b"method", method.as_bytes());
     field(b"path", path.as_bytes());
-    // Decoded to bytes, never to lossy text: `%FF` is not `%FE`.
-    let mut q: Vec<Pair> = query
-        .map(|q| pairs(q.as_bytes()).collect())
-        .unwrap_or_default();
+    let mut q: Vec<&Pair> = query.iter().collect();
     // By name only, stable: repeated names keep their order (`a=1&a=2` is not `a=2&a=1`).
     q.sort_by(|a, b| a.0.cmp(&b.0));
     for (k, v) in q {
-        field(b"qk", &k);
-        field(b"qv", &v);
+        field(b"qk", k);
+        field(b"qv", v);
     }
     match (kind, parsed) {
         (BodyKind::Json, Some(v)) => {
@@ -134,7 +131,7 @@ mod tests {
         let intent = Intent {
             method: "POST",
             path: "/x",
-            query: None,
+            query: &[],
             body,
             kind,
             parsed: parsed.as_ref(),

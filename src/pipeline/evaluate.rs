@@ -124,7 +124,12 @@ pub fn prepare(
     input: &Input<'_>,
     scoper: &key::ScopeKeyer,
 ) -> ProxyResult<Prepared> {
-    let query = readable(route, input.headers, input.query)?;
+    // Decoded once: bytes for the fingerprint, text for the templates.
+    let query_bytes: Vec<crate::urlencoded::Pair> = input
+        .query
+        .map(|q| crate::urlencoded::pairs(q.as_bytes()).collect())
+        .unwrap_or_default();
+    let query = readable(route, input.headers, &query_bytes)?;
     let kind = BodyKind::of(input.headers);
     let parsed = match body::parse(kind, input.body) {
         Ok(v) => v,
@@ -174,7 +179,7 @@ pub fn prepare(
     let intent = key::Intent {
         method: input.method.as_str(),
         path: input.path,
-        query: input.query,
+        query: &query_bytes,
         body: input.body,
         kind,
         parsed: parsed.as_ref(),

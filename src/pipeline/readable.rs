@@ -29,7 +29,7 @@ pub(super) fn wildcard_host<'a>(upstream: &Upstream, host: Option<&'a str>) -> O
 pub(super) fn readable(
     route: &Route,
     headers: &HeaderMap,
-    query: Option<&str>,
+    query: &[crate::urlencoded::Pair],
 ) -> ProxyResult<Vec<(String, String)>> {
     if headers
         .get_all(http::header::CONTENT_TYPE)
@@ -69,14 +69,13 @@ pub(super) fn readable(
             _ => {}
         }
     }
-    match query.map(|q| crate::urlencoded::text_pairs(q.as_bytes())) {
-        None => Ok(Vec::new()),
-        Some(Ok(pairs)) => Ok(pairs),
-        Some(Err(why)) if reads_query => Err(ProxyError::new(
+    match crate::urlencoded::as_text(query) {
+        Ok(pairs) => Ok(pairs),
+        Err(why) if reads_query => Err(ProxyError::new(
             ErrorKind::BadPath,
             format!("the query: {why}; route {} reads it", route.name),
         )),
         // Nothing reads it: the fingerprint takes its bytes.
-        Some(Err(_)) => Ok(Vec::new()),
+        Err(_) => Ok(Vec::new()),
     }
 }
