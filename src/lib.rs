@@ -3,12 +3,15 @@
 //! An idempotent reverse proxy for outbound write APIs. Module map, in the order a request
 //! meets them:
 //!
-//! - [`server`]: listeners (main, per-upstream, admin), HTTP/1.1 + HTTP/2 via hyper-util,
-//!   optional inbound TLS, graceful shutdown.
+//! - [`server`]: listeners (main, per-upstream, admin, egress), optional inbound TLS,
+//!   graceful shutdown.
 //! - [`accept`]: the accept loop under hostile load: connection limits per listener and per
 //!   peer, back-off when file descriptors run out, rate-limited logs.
 //! - [`shed`]: at the connection limit, the connection that made the least progress is
 //!   closed to admit a new one.
+//! - [`connection`]: one accepted connection served, HTTP/1.1 or HTTP/2, parked between
+//!   requests with hyper's buffers freed (an idle connection costs a few KiB); the request body
+//!   type that tells whether a body was read to its end; tunnels spliced without buffers.
 //! - [`egress`]: the egress listener, an HTTP forward proxy for clients whose API host is
 //!   fixed: `CONNECT`s to the hosts an upstream claims are intercepted with a leaf from the
 //!   proxy's CA and run through the router as on that upstream's listener; tunnels spliced;
@@ -76,6 +79,7 @@ pub mod body;
 pub mod cli;
 pub mod cli_settle;
 pub mod config;
+pub mod connection;
 pub mod console;
 pub mod egress;
 pub mod error;

@@ -4,12 +4,12 @@
 //! matches a route (or the upstream's `unmatched = "protect"`) goes to [`crate::pipeline`].
 
 use crate::config::{Config, Route, Unmatched, Upstream};
+use crate::connection::RequestBody;
 use crate::error::{ErrorKind, Origin, ProxyError, ProxyResult};
 use crate::state::AppState;
 use crate::upstream::{passthrough, ProxyBody, Target};
 use http::{Method, Request, Response, Version};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use std::sync::Arc;
 
 /// Which listener a request arrived on.
@@ -28,7 +28,7 @@ pub enum Listener {
 pub async fn handle(
     state: Arc<AppState>,
     listener: Listener,
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
 ) -> Response<ProxyBody> {
     // For the log line of an error: a standard method and the URI's shared buffers are copied
     // without an allocation (the path as a `String` was one on every request).
@@ -56,7 +56,7 @@ pub async fn handle(
 async fn dispatch(
     state: &Arc<AppState>,
     listener: &Listener,
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
 ) -> ProxyResult<Response<ProxyBody>> {
     if req.method() == Method::CONNECT {
         return Err(ProxyError::new(

@@ -1,9 +1,11 @@
-//! Listeners and lifecycle: bind, serve HTTP/1.1 and HTTP/2 (hyper-util `auto`), optional
-//! inbound TLS, and a graceful shutdown that lets detached upstream calls finish and be stored.
+//! Listeners and lifecycle: bind, accept, hand each connection to [`crate::connection`]
+//! (after inbound TLS, if any), and a graceful shutdown that lets detached upstream calls
+//! finish and be stored.
 
 use crate::admin;
 use crate::audit::Auditor;
 use crate::config::Config;
+use crate::connection::{self, Http, RequestBody};
 use crate::locks::LockTable;
 use crate::metrics::Stats;
 use crate::router::{self, Listener};
@@ -15,7 +17,6 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
@@ -35,7 +36,7 @@ use crate::accept::{drive, HEADER_READ_TIMEOUT};
 const TLS_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 type Handler = Arc<
-    dyn Fn(Request<Incoming>) -> Pin<Box<dyn Future<Output = Response<ProxyBody>> + Send>>
+    dyn Fn(Request<RequestBody>) -> Pin<Box<dyn Future<Output = Response<ProxyBody>> + Send>>
         + Send
         + Sync,
 >;
@@ -330,20 +331,11 @@ fn serve(
     threads: Option<Arc<ConnThreads>>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
-        let graceful = GracefulShutdown::new();
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        // A client that opens a connection and never finishes its request head must not hold
-        // a connection slot forever (also bounds idle keep-alive connections).
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            .header_read_timeout(HEADER_READ_TIMEOUT);
-        // HTTP/2 clients are pinged when idle; one that does not answer is dropped.
-        builder
-            .http2()
-            .timer(TokioTimer::new())
-            .keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_timeout(Duration::from_secs(10));
+        // Cancelled once the listener stops accepting: parked connections close, exchanges
+        // under way finish first; `open` is awaited until every connection has ended.
+        let closing = CancellationToken::new();
+        let open = TaskTracker::new();
+        let http = Arc::new(Http::new(HEADER_READ_TIMEOUT));
         let mut acceptor = crate::accept::Acceptor::new(listener, limits);
         loop {
             let (stream, peer, permit) = tokio::select! {
@@ -353,29 +345,29 @@ fn serve(
             let _ = stream.set_nodelay(true);
             let conn = Connection {
                 serving: serving.clone(),
-                builder: builder.clone(),
-                watcher: graceful.watcher(),
+                http: http.clone(),
+                closing: closing.clone(),
                 handler: handler.clone(),
                 peer,
                 progress: permit.conn(),
             };
             match threads.as_ref().and_then(|t| t.next()) {
                 None => {
-                    tokio::spawn(async move {
+                    tokio::spawn(open.track_future(async move {
                         conn.serve(stream).await;
                         drop(permit);
-                    });
+                    }));
                 }
                 // Moved to the thread's own I/O driver, so its readiness wakes that thread.
                 Some(thread) => match stream.into_std() {
                     Ok(stream) => {
-                        thread.spawn(async move {
+                        thread.spawn(open.track_future(async move {
                             match TcpStream::from_std(stream) {
                                 Ok(stream) => conn.serve(stream).await,
                                 Err(e) => tracing::debug!(%peer, error = %e, "cannot register the connection on its thread"),
                             }
                             drop(permit);
-                        });
+                        }));
                     }
                     Err(e) => {
                         tracing::debug!(%peer, error = %e, "cannot hand the connection to its thread")
@@ -384,15 +376,17 @@ fn serve(
             }
         }
         drop(acceptor);
-        graceful.shutdown().await;
+        closing.cancel();
+        open.close();
+        open.wait().await;
     })
 }
 
 /// An accepted connection and what serving it takes, wherever it is served.
 struct Connection {
     serving: Serving,
-    builder: auto::Builder<TokioExecutor>,
-    watcher: Watcher,
+    http: Arc<Http>,
+    closing: CancellationToken,
     handler: Handler,
     peer: SocketAddr,
     /// Its progress, and the token that sheds it (see [`crate::shed`]).
@@ -415,48 +409,78 @@ impl Connection {
     async fn serve_inner(self, stream: TcpStream) {
         let Connection {
             serving: Serving { tls, upgrades },
-            builder,
-            watcher,
+            http,
+            closing,
             handler,
             peer,
             progress,
         } = self;
         let stream = crate::shed::Progress::new(stream, progress);
+        // What only some connections need is boxed: a task is as large as its largest state,
+        // and every plain connection would pay for TLS's.
+        if upgrades {
+            return serve_upgrading(stream, handler, http, &closing, peer).await;
+        }
+        let handle = move |req| handler(req);
+        let Some(acceptor) = tls else {
+            return connection::serve(stream, &http, handle, &closing, &peer).await;
+        };
+        // The handshake runs in the connection's task, never in the accept loop.
+        let handshake = Box::pin(acceptor.accept(stream));
+        match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, handshake).await {
+            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+            Ok(Ok(tls)) => Box::pin(connection::serve(tls, &http, handle, &closing, &peer)).await,
+            Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
+        }
+    }
+}
+
+/// A connection whose requests may take it over (`CONNECT` on the egress listener), served
+/// whole by hyper; the tunnels it leaves are awaited so they keep the connection's slot.
+async fn serve_upgrading<I>(
+    io: I,
+    handler: Handler,
+    http: Arc<Http>,
+    closing: &CancellationToken,
+    peer: SocketAddr,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let afterwards = crate::egress::Afterwards::new(http, closing.clone());
+    let slot = afterwards.clone();
+    // Boxed, so what serving the requests took is freed while the tunnels they left run.
+    Box::pin(async move {
+        let mut builder = auto::Builder::new(TokioExecutor::new());
+        builder
+            .http1()
+            .timer(TokioTimer::new())
+            .header_read_timeout(HEADER_READ_TIMEOUT);
         // Set by the first request: a connection that sends none in time is closed.
         let spoke = Arc::new(AtomicBool::new(false));
         let heard = spoke.clone();
-        // Where a CONNECT leaves its tunnel, awaited below so it keeps the connection's slot.
-        let afterwards = upgrades.then(crate::egress::Afterwards::default);
-        let slot = afterwards.clone();
-        let svc = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+        let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
             heard.store(true, Ordering::Relaxed);
-            if let Some(slot) = &slot {
-                req.extensions_mut().insert(slot.clone());
-            }
-            let fut = handler(req);
-            async move { Ok::<_, Infallible>(fut.await) }
+            let mut req = req.map(RequestBody::untracked);
+            req.extensions_mut().insert(slot.clone());
+            let answer = handler(req);
+            async move { Ok::<_, Infallible>(answer.await) }
         });
-        if let Some(afterwards) = afterwards {
-            let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), svc);
-            drive(watcher.watch(conn.into_owned()), &spoke, peer).await;
-            for tunnel in afterwards.take() {
-                let _ = tunnel.await;
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(io), svc);
+        let served = async move {
+            tokio::pin!(conn);
+            tokio::select! {
+                done = conn.as_mut() => done,
+                _ = closing.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
             }
-            return;
-        }
-        let Some(acceptor) = tls else {
-            let conn = builder.serve_connection(TokioIo::new(stream), svc);
-            return drive(watcher.watch(conn.into_owned()), &spoke, peer).await;
         };
-        // The handshake runs in the connection's task, never in the accept loop.
-        match tokio::time::timeout(TLS_HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
-            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-            Ok(Ok(tls)) => {
-                let conn = builder.serve_connection(TokioIo::new(tls), svc);
-                drive(watcher.watch(conn.into_owned()), &spoke, peer).await;
-            }
-            Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-        }
+        drive(served, &spoke, peer).await;
+    })
+    .await;
+    for tunnel in afterwards.take() {
+        let _ = tunnel.await;
     }
 }
 

@@ -9,16 +9,16 @@ pub mod views;
 
 pub use views::{audit_json, entity_report, error, json_response, key_report, record_json};
 
+use crate::connection::RequestBody;
 use crate::error::{ErrorKind, ProxyError};
 use crate::state::{AppState, Live};
 use crate::upstream::{full, ProxyBody};
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
-use hyper::body::Incoming;
 use percent_encoding::percent_decode_str;
 use serde_json::{json, Value};
 
 /// Answers one admin request (under the configuration in force when it arrived).
-pub async fn handle(live: Live, req: Request<Incoming>) -> Response<ProxyBody> {
+pub async fn handle(live: Live, req: Request<RequestBody>) -> Response<ProxyBody> {
     let state = live.load_full();
     let path = req.uri().path().to_owned();
     let method = req.method().clone();
@@ -106,7 +106,7 @@ pub fn admin_open(state: &AppState) -> bool {
     server.admin_token.is_some() || server.admin_listen.is_some_and(|a| a.ip().is_loopback())
 }
 
-fn authorized(state: &AppState, req: &Request<Incoming>) -> bool {
+fn authorized(state: &AppState, req: &Request<RequestBody>) -> bool {
     let Some(token) = &state.config.server.admin_token else {
         return true;
     };
@@ -136,7 +136,7 @@ fn authorized(state: &AppState, req: &Request<Incoming>) -> bool {
 /// any other origin, another local port included (a browser names it in `Origin` and says
 /// `Sec-Fetch-Site`). Only the admin listener's own origin (the console) passes. curl and
 /// scripts send neither header.
-fn from_this_machine(req: &Request<Incoming>) -> bool {
+fn from_this_machine(req: &Request<RequestBody>) -> bool {
     let headers = req.headers();
     let site_ok = headers.get("sec-fetch-site").is_none_or(|v| {
         let v = v.as_bytes();
@@ -198,7 +198,7 @@ async fn admin_api(state: &AppState, method: &Method, path: &str) -> Response<Pr
 
 /// `POST /admin/keys/{key}/release` and `…/complete`: an operator settles a key (see
 /// [`crate::settle`]); the body is JSON (`{"note": …}`, and for complete the answer).
-async fn settling(state: &AppState, req: Request<Incoming>) -> Response<ProxyBody> {
+async fn settling(state: &AppState, req: Request<RequestBody>) -> Response<ProxyBody> {
     let path = req.uri().path().to_owned();
     let segs = segments(&path);
     let (key, act) = match segs.as_slice() {
@@ -231,7 +231,7 @@ fn segments(path: &str) -> Vec<String> {
 
 /// A JSON request body (an empty one is `{}`), at most `max_body` bytes, arriving within
 /// `body_timeout` (a trickled body must not hold the admin listener's connections).
-async fn read_json(state: &AppState, req: Request<Incoming>) -> Result<Value, ProxyError> {
+async fn read_json(state: &AppState, req: Request<RequestBody>) -> Result<Value, ProxyError> {
     use http_body_util::BodyExt;
     let server = &state.config.server;
     let limited = http_body_util::Limited::new(req.into_body(), server.max_body);

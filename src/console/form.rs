@@ -3,8 +3,8 @@
 //! `body_timeout` (the sign-in form is read before anyone is known: a client that trickles
 //! its bytes must not hold a connection forever).
 
+use crate::connection::RequestBody;
 use http::{header, Request, StatusCode};
-use hyper::body::Incoming;
 use std::time::Duration;
 
 /// The fields of a posted form, in order.
@@ -24,7 +24,7 @@ impl Form {
 
     /// Reads the body of `req`, at most `max` bytes, all of them within `within`.
     pub async fn read(
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         max: usize,
         within: Duration,
     ) -> Result<Form, Unreadable> {

@@ -37,12 +37,12 @@ mod session;
 pub use session::loopback_host;
 mod timeline;
 
+use crate::connection::RequestBody;
 use crate::state::AppState;
 use crate::store::{now_ms, StoreError};
 use crate::upstream::ProxyBody;
 use form::Form;
 use http::{Method, Request, Response, StatusCode};
-use hyper::body::Incoming;
 use maud::html;
 use page::Frame;
 use session::Access;
@@ -56,7 +56,11 @@ pub fn serves(path: &str) -> bool {
 
 /// Answers a console request. `open` is the admin API's rule (see `admin::admin_open`): the
 /// console is on exactly when the API is.
-pub async fn handle(state: &AppState, req: Request<Incoming>, open: bool) -> Response<ProxyBody> {
+pub async fn handle(
+    state: &AppState,
+    req: Request<RequestBody>,
+    open: bool,
+) -> Response<ProxyBody> {
     let path = req.uri().path().to_owned();
     if let Some(name) = path.strip_prefix("/assets/") {
         return assets::serve(name).unwrap_or_else(not_found);
@@ -175,7 +179,7 @@ async fn view(
 /// `GET /login` (the form) and `POST /login` (the token, checked; a session cookie when it is
 /// the admin token). Signing in needs no CSRF token: a forged sign-in would need the admin
 /// token itself, and whoever has it needs no forgery.
-async fn sign_in(state: &AppState, req: Request<Incoming>, token: &str) -> Response<ProxyBody> {
+async fn sign_in(state: &AppState, req: Request<RequestBody>, token: &str) -> Response<ProxyBody> {
     let tls = session::over_tls(req.uri(), req.headers());
     if req.method() != Method::POST {
         return page::respond(StatusCode::OK, login_page(None));

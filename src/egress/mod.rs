@@ -12,17 +12,16 @@ pub mod ca;
 mod tunnel;
 
 use crate::config::{HostPattern, Upstream};
+use crate::connection::{self, Http, RequestBody};
 use crate::error::{ErrorKind, ProxyError};
 use crate::router::{self, Listener};
 use crate::state::Live;
 use crate::upstream::ProxyBody;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use hyper_util::server::conn::auto;
+use hyper_util::rt::TokioIo;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
 /// What the egress listener keeps while it runs: the CA's leaves.
@@ -34,18 +33,31 @@ pub struct Egress {
 /// several on one HTTP/2 connection): the connection's serving task awaits them, so the
 /// connection keeps its slot until its tunnels end and is shed with them (each task is aborted
 /// when dropped). A std `Mutex`: held to push or take, never across an await.
-#[derive(Clone, Default)]
-pub struct Afterwards(Arc<Mutex<Vec<AbortOnDropHandle<()>>>>);
+#[derive(Clone)]
+pub struct Afterwards {
+    tasks: Arc<Mutex<Vec<AbortOnDropHandle<()>>>>,
+    /// The listener's: intercepted connections are served as its own are, and close with it.
+    http: Arc<Http>,
+    closing: CancellationToken,
+}
 
 impl Afterwards {
+    pub fn new(http: Arc<Http>, closing: CancellationToken) -> Afterwards {
+        Afterwards {
+            tasks: Arc::default(),
+            http,
+            closing,
+        }
+    }
+
     fn add(&self, task: tokio::task::JoinHandle<()>) {
-        let mut tasks = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let mut tasks = self.tasks.lock().unwrap_or_else(|e| e.into_inner());
         tasks.push(AbortOnDropHandle::new(task));
     }
 
     /// The tasks left by handlers (awaited by the connection's serving task).
     pub fn take(&self) -> Vec<AbortOnDropHandle<()>> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
+        std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
@@ -53,7 +65,7 @@ impl Afterwards {
 pub async fn handle(
     live: Live,
     egress: Arc<Egress>,
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
 ) -> Response<ProxyBody> {
     match route(live, egress, req).await {
         Ok(resp) => resp,
@@ -77,7 +89,7 @@ pub async fn handle(
 async fn route(
     live: Live,
     egress: Arc<Egress>,
-    mut req: Request<Incoming>,
+    mut req: Request<RequestBody>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let state = live.load_full();
     let config = &state.config.egress;
@@ -164,7 +176,7 @@ fn intercept(
     egress: Arc<Egress>,
     upstream: Arc<Upstream>,
     host: String,
-    mut req: Request<Incoming>,
+    mut req: Request<RequestBody>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     // Minted (or taken from the cache) before the 200: a failure is an answer, not a reset.
     let tls = egress.ca.server_config(&host).map_err(|e| {
@@ -176,6 +188,13 @@ fn intercept(
     let handshake = live.load().config.egress.handshake_timeout;
     let upgrade = hyper::upgrade::on(&mut req);
     let host: Arc<str> = host.into();
+    let (http, closing) = match req.extensions().get::<Afterwards>() {
+        Some(a) => (a.http.clone(), a.closing.clone()),
+        None => (
+            Arc::new(Http::new(crate::accept::HEADER_READ_TIMEOUT)),
+            CancellationToken::new(),
+        ),
+    };
     after(&req, async move {
         let io = match upgrade.await {
             Ok(io) => TokioIo::new(io),
@@ -189,30 +208,15 @@ fn intercept(
             }
             Err(_) => return tracing::debug!(%host, "TLS handshake timed out"),
         };
-        let spoke = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let heard = spoke.clone();
         let peer = format!("intercepted {host}");
-        let svc = hyper::service::service_fn(move |req| {
-            heard.store(true, std::sync::atomic::Ordering::Relaxed);
+        let handle = move |req| {
             let (state, listener) = (
                 live.load_full(),
                 Listener::Egress(upstream.clone(), host.clone()),
             );
-            async move { Ok::<_, std::convert::Infallible>(router::handle(state, listener, req).await) }
-        });
-        let mut builder = auto::Builder::new(TokioExecutor::new());
-        builder
-            .http1()
-            .timer(TokioTimer::new())
-            .header_read_timeout(Duration::from_secs(30));
-        builder
-            .http2()
-            .timer(TokioTimer::new())
-            .keep_alive_interval(Duration::from_secs(30))
-            .keep_alive_timeout(Duration::from_secs(10));
-        // As on every listener: a connection that sends no request in time is closed.
-        let conn = builder.serve_connection(TokioIo::new(stream), svc);
-        crate::accept::drive(conn, &spoke, peer).await;
+            router::handle(state, listener, req)
+        };
+        connection::serve(stream, &http, handle, &closing, &peer).await;
     });
     Ok(empty(StatusCode::OK))
 }

@@ -66,7 +66,7 @@ pub(super) async fn splice(upgrade: hyper::upgrade::OnUpgrade, mut far: TcpStrea
         Err(e) => return tracing::debug!(error = %e, "CONNECT upgrade failed"),
     };
     let mut near = TokioIo::new(upgraded);
-    if let Err(e) = tokio::io::copy_bidirectional(&mut near, &mut far).await {
+    if let Err(e) = crate::connection::splice::splice(&mut near, &mut far).await {
         tracing::debug!(error = %e, "tunnel ended with an error");
     }
 }

@@ -37,13 +37,13 @@ mod store;
 pub use outcome::Outcome;
 
 use crate::config::{Mode, Route, Upstream};
+use crate::connection::RequestBody;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::locks::LockGuard;
 use crate::state::AppState;
 use crate::store::KeyRecord;
 use crate::upstream::{ProxyBody, Target, UpstreamClient};
 use http::{Request, Response};
-use hyper::body::Incoming;
 use lock::StoreLeases;
 use prepare::{KeyPlan, Prepared};
 use std::sync::Arc;
@@ -56,7 +56,7 @@ pub async fn run(
     route: &Arc<Route>,
     params: Vec<(String, String)>,
     target: &Target<'_>,
-    mut req: Request<Incoming>,
+    mut req: Request<RequestBody>,
 ) -> ProxyResult<Response<ProxyBody>> {
     // What is never forwarded decides nothing: hop-by-hop headers (and those a client names
     // in `Connection`) go before the key, its scope and the entities are read, so two requests

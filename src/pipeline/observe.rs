@@ -25,7 +25,7 @@ pub(super) async fn passthrough(
     mut ctx: Ctx,
     refused: &ProxyError,
     target: &crate::upstream::Target<'_>,
-    req: http::Request<hyper::body::Incoming>,
+    req: http::Request<crate::connection::RequestBody>,
 ) -> crate::error::ProxyResult<Response<ProxyBody>> {
     let mut resp = crate::upstream::passthrough(&ctx.client, target, req).await?;
     ctx.observed = Some(refused.kind.as_str());

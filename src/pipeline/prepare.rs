@@ -4,13 +4,13 @@
 pub use super::evaluate::{plan_key, prepare, Input, KeyPlan, KeySource, Prepared, ReconcileRead};
 use super::forward::Outgoing;
 use super::Ctx;
+use crate::connection::RequestBody;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::key;
 use crate::upstream::Target;
 use bytes::Bytes;
 use http::{HeaderMap, Request};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
-use hyper::body::Incoming;
 use std::task::Poll;
 
 /// Step 1: the body, buffered once; then the evaluation. The request is kept for the upstream
@@ -20,7 +20,7 @@ pub(super) async fn step(
     plan: KeyPlan,
     params: Vec<(String, String)>,
     target: &Target<'_>,
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
 ) -> ProxyResult<()> {
     let (parts, body) = req.into_parts();
     let server = &ctx.state.config.server;
@@ -105,7 +105,7 @@ fn workflow(header: Option<&http::HeaderName>, headers: &HeaderMap) -> Option<St
 const WORKFLOW_MAX: usize = 128;
 
 /// Buffers a request body up to `max` bytes.
-async fn read_body(body: Incoming, headers: &HeaderMap, max: usize) -> ProxyResult<Bytes> {
+async fn read_body(body: RequestBody, headers: &HeaderMap, max: usize) -> ProxyResult<Bytes> {
     let too_large = || {
         ProxyError::new(
             ErrorKind::BodyTooLarge,

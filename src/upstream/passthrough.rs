@@ -4,10 +4,10 @@
 use super::call::describe;
 use super::client::{request_headers, strip_hop_by_hop, ProxyBody, UpstreamClient};
 use crate::config::Upstream;
+use crate::connection::RequestBody;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use http::{Request, Response};
 use http_body_util::BodyExt;
-use hyper::body::Incoming;
 use std::sync::Arc;
 
 /// The upstream-side target of a request.
@@ -35,7 +35,7 @@ impl Target<'_> {
 pub async fn passthrough(
     client: &UpstreamClient,
     target: &Target<'_>,
-    req: Request<Incoming>,
+    req: Request<RequestBody>,
 ) -> ProxyResult<Response<ProxyBody>> {
     let (parts, body) = req.into_parts();
     let uri = client.uri(&target.path_and_query()).map_err(|e| {

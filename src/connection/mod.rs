@@ -1,0 +1,314 @@
+//! Serving one accepted connection, HTTP/1.1 or HTTP/2, so that an idle connection holds
+//! almost nothing. hyper keeps an HTTP/1 connection's read and write buffers (8 KiB each)
+//! and its dispatcher for as long as the connection lives; nginx frees a keep-alive
+//! connection's buffers while it idles, and so does this module: each HTTP/1 exchange runs on
+//! a hyper connection of its own, which gives the socket back once the answer is written and it
+//! asks for the next request ([`turn`]); between requests the bare socket is parked until its
+//! next bytes, then handed to a fresh hyper connection with those bytes put back in front.
+//!
+//! The client sees one keep-alive connection. One is closed (with `Connection: close` on the
+//! last answer) when the client asked to, when a request's body was not read to its end (its
+//! rest would be taken for the next request's head), or when the listener is closing.
+
+mod body;
+mod rewind;
+pub mod splice;
+mod turn;
+
+pub use body::RequestBody;
+
+use bytes::{Bytes, BytesMut};
+use http::header::{HeaderValue, CONNECTION};
+use http::{HeaderMap, Request, Response, StatusCode, Version};
+use hyper::body::Incoming;
+use hyper::server::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use rewind::Rewind;
+use std::convert::Infallible;
+use std::fmt::Display;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{ready, Poll};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio_util::sync::CancellationToken;
+use turn::{Turn, Turned};
+
+/// What an HTTP/2 client sends first (RFC 9113, 3.4): how prior knowledge is told from HTTP/1.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// How a listener serves its connections' HTTP.
+pub struct Http {
+    h1: http1::Builder,
+    h2: http2::Builder<TokioExecutor>,
+    /// How long a connection may wait for its first request, and idle between requests.
+    idle: Duration,
+}
+
+impl Http {
+    /// `head` bounds a request head once its first byte is in, and a connection's wait for a
+    /// request (its first, or its next).
+    pub fn new(head: Duration) -> Http {
+        let mut h1 = http1::Builder::new();
+        h1.timer(TokioTimer::new())
+            .header_read_timeout(head)
+            // Reads stop once a request is in: the next read is then for the next head.
+            .half_close(true);
+        let mut h2 = http2::Builder::new(TokioExecutor::new());
+        // HTTP/2 clients are pinged when idle; one that does not answer is dropped.
+        h2.timer(TokioTimer::new())
+            .keep_alive_interval(Duration::from_secs(30))
+            .keep_alive_timeout(Duration::from_secs(10));
+        Http { h1, h2, idle: head }
+    }
+}
+
+/// Serves `io` to its end: until the client closes, idles past its time, sends what is not
+/// HTTP, or `closing` is cancelled (an exchange under way is finished first).
+pub async fn serve<I, H, F, B>(
+    mut io: I,
+    http: &Http,
+    handler: H,
+    closing: &CancellationToken,
+    peer: &(dyn Display + Sync),
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    H: Fn(Request<RequestBody>) -> F + Clone + Send + Sync + Unpin + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let Some(mut next) = wait(&mut io, http, closing, peer).await else {
+        return;
+    };
+    while next.len() < PREFACE.len() && PREFACE.starts_with(&next) {
+        let Some(more) = wait(&mut io, http, closing, peer).await else {
+            return;
+        };
+        let mut joined = BytesMut::from(&next[..]);
+        joined.extend_from_slice(&more);
+        next = joined.freeze();
+    }
+    if next.starts_with(PREFACE) {
+        return serve_h2(Rewind::new(next, io), http, handler, closing, peer).await;
+    }
+    loop {
+        let Some((back, rest)) =
+            exchange(Rewind::new(next, io), http, &handler, closing, peer).await
+        else {
+            return;
+        };
+        io = back;
+        next = match rest.is_empty() {
+            false => rest,
+            true => match wait(&mut io, http, closing, peer).await {
+                Some(bytes) => bytes,
+                None => return,
+            },
+        };
+    }
+}
+
+/// Parks `io` until bytes arrive and returns them; `None` when the connection is over (closed
+/// by the client, idle too long, or the listener closing), after closing it.
+async fn wait<I>(
+    io: &mut I,
+    http: &Http,
+    closing: &CancellationToken,
+    peer: &(dyn Display + Sync),
+) -> Option<Bytes>
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    let read = tokio::select! {
+        _ = closing.cancelled() => None,
+        read = tokio::time::timeout(http.idle, first_bytes(io)) => Some(read),
+    };
+    match read {
+        Some(Ok(Ok(bytes))) if !bytes.is_empty() => return Some(bytes),
+        Some(Ok(Ok(_))) => return None,
+        Some(Ok(Err(e))) => {
+            tracing::debug!(%peer, error = %e, "connection ended with an error");
+            return None;
+        }
+        Some(Err(_)) => tracing::debug!(%peer, "closing a connection that sent no request in time"),
+        None => {}
+    }
+    close(io).await;
+    None
+}
+
+/// Reads what has arrived, into a buffer on the stack of the poll (never in the connection's
+/// task, which stays small while it waits).
+async fn first_bytes<I: AsyncRead + Unpin>(io: &mut I) -> std::io::Result<Bytes> {
+    std::future::poll_fn(|cx| {
+        let mut stack = [0u8; 4096];
+        let mut buf = ReadBuf::new(&mut stack);
+        ready!(Pin::new(&mut *io).poll_read(cx, &mut buf))?;
+        Poll::Ready(Ok(Bytes::copy_from_slice(buf.filled())))
+    })
+    .await
+}
+
+async fn close<I: AsyncWrite + Unpin>(io: &mut I) {
+    let _ = tokio::time::timeout(Duration::from_secs(5), io.shutdown()).await;
+}
+
+type Answer<B> = Pin<Box<dyn Future<Output = Result<Response<B>, Infallible>> + Send>>;
+
+/// One HTTP/1 request and its answer (or several, when pipelined ones are in by then) on a
+/// hyper connection of its own. Returns the socket and any bytes read past the last request
+/// when the connection may carry another.
+async fn exchange<I, H, F, B>(
+    io: Rewind<I>,
+    http: &Http,
+    handler: &H,
+    closing: &CancellationToken,
+    peer: &(dyn Display + Sync),
+) -> Option<(I, Bytes)>
+where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    H: Fn(Request<RequestBody>) -> F + Clone + Send + Sync + Unpin + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let turn = Arc::new(Turn::default());
+    let svc = {
+        let (turn, handler, closing) = (turn.clone(), handler.clone(), closing.clone());
+        hyper::service::service_fn(move |req: Request<Incoming>| -> Answer<B> {
+            turn.begin();
+            let keep = keeps_alive(req.version(), req.headers());
+            let read = turn.read.clone();
+            let answer = handler(req.map(|b| RequestBody::tracked(b, read)));
+            let (turn, closing) = (turn.clone(), closing.clone());
+            Box::pin(async move {
+                let mut resp = answer.await;
+                let again = keep
+                    && turn.read.load(Ordering::Acquire)
+                    && !closing.is_cancelled()
+                    && resp.status() != StatusCode::SWITCHING_PROTOCOLS
+                    && !has_token(resp.headers(), "close");
+                if !again {
+                    resp.headers_mut()
+                        .insert(CONNECTION, HeaderValue::from_static("close"));
+                }
+                turn.again.store(again, Ordering::Release);
+                Ok(resp)
+            })
+        })
+    };
+    let io = TokioIo::new(Turned::new(io, turn.clone()));
+    // Boxed, so its buffers and dispatcher are freed with it and the waiting task stays small.
+    let mut conn = Box::new(http.h1.serve_connection(io, svc));
+    let served = std::future::poll_fn(|cx| loop {
+        let polled = conn.poll_without_shutdown(cx);
+        if polled.is_pending() && turn.tell() {
+            Pin::new(&mut *conn).graceful_shutdown();
+            continue;
+        }
+        return polled;
+    });
+    if let Err(e) = served.await {
+        tracing::debug!(%peer, error = %e, "connection ended with an error");
+        return None;
+    }
+    let parts = conn.into_parts();
+    let (mut io, unread) = parts.io.into_inner().into_inner().into_inner();
+    if !turn.again.load(Ordering::Acquire) {
+        close(&mut io).await;
+        return None;
+    }
+    let rest = match (parts.read_buf.is_empty(), unread.is_empty()) {
+        (true, _) => unread,
+        (false, true) => parts.read_buf,
+        (false, false) => {
+            let mut joined = BytesMut::from(&parts.read_buf[..]);
+            joined.extend_from_slice(&unread);
+            joined.freeze()
+        }
+    };
+    Some((io, rest))
+}
+
+/// Whether the client lets the connection carry another request: HTTP/1.1 unless it says
+/// `close`, HTTP/1.0 only when it says `keep-alive`.
+fn keeps_alive(version: Version, headers: &HeaderMap) -> bool {
+    match version {
+        Version::HTTP_11 => !has_token(headers, "close"),
+        Version::HTTP_10 => has_token(headers, "keep-alive"),
+        _ => false,
+    }
+}
+
+fn has_token(headers: &HeaderMap, token: &str) -> bool {
+    headers
+        .get_all(CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// An HTTP/2 connection, served whole by hyper; closed if it begins no request in time.
+async fn serve_h2<I, H, F, B>(
+    io: Rewind<I>,
+    http: &Http,
+    handler: H,
+    closing: &CancellationToken,
+    peer: &(dyn Display + Sync),
+) where
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    H: Fn(Request<RequestBody>) -> F + Clone + Send + Sync + Unpin + 'static,
+    F: Future<Output = Response<B>> + Send + 'static,
+    B: hyper::body::Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let spoke = Arc::new(AtomicBool::new(false));
+    let heard = spoke.clone();
+    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
+        heard.store(true, Ordering::Relaxed);
+        let answer = handler(req.map(RequestBody::untracked));
+        async move { Ok::<_, Infallible>(answer.await) }
+    });
+    // Boxed: an HTTP/2 connection is large, and the task of every HTTP/1 one would be as large.
+    let mut conn = Box::pin(http.h2.serve_connection(TokioIo::new(io), svc));
+    let served = async move {
+        tokio::select! {
+            done = conn.as_mut() => done,
+            _ = closing.cancelled() => {
+                conn.as_mut().graceful_shutdown();
+                conn.await
+            }
+        }
+    };
+    crate::accept::drive(served, &spoke, peer).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(connection: &[&str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in connection {
+            h.append(CONNECTION, HeaderValue::from_str(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn who_keeps_the_connection() {
+        assert!(keeps_alive(Version::HTTP_11, &headers(&[])));
+        assert!(!keeps_alive(
+            Version::HTTP_11,
+            &headers(&["Keep-Alive, Close"])
+        ));
+        assert!(!keeps_alive(Version::HTTP_11, &headers(&["te", "close"])));
+        assert!(!keeps_alive(Version::HTTP_10, &headers(&[])));
+        assert!(keeps_alive(Version::HTTP_10, &headers(&["keep-alive"])));
+        assert!(!keeps_alive(Version::HTTP_09, &headers(&[])));
+    }
+}
