@@ -96,7 +96,9 @@ measure() { # PID PORT KIND LABEL
   before=$(rss "$1")
   coproc HOLD { python3 "$WORK/hold.py" "$2" "$N" "$3" "$WORK/certs/idemproxy-ca.pem"; }
   read -r _ <&"${HOLD[0]}"
-  sleep 1
+  # A connection idle for a whole tick (src/connection/turn.rs, 1 s) frees its hyper state,
+  # and the allocator hands freed pages back within a second (src/main.rs).
+  sleep 4
   after=$(rss "$1")
   exec {HOLD[1]}>&-
   wait "$HOLD_PID" 2>/dev/null || true

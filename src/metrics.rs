@@ -59,6 +59,8 @@ pub struct Stats {
     audit_dropped: Counter,
     in_flight: Gauge,
     waiting: Gauge,
+    /// Connections waiting for their next request with only the socket held.
+    parked: Gauge,
     requests: Family<RequestLabels, Counter>,
     /// Observe mode: what enforce mode would have done.
     observed: Family<ObservedLabels, Counter>,
@@ -71,6 +73,14 @@ pub struct Stats {
 
 /// Decrements a gauge when dropped, so early returns and cancellations keep it right.
 pub struct GaugeGuard(Gauge);
+
+impl GaugeGuard {
+    /// Raises `gauge` until the guard is dropped.
+    pub fn up(gauge: Gauge) -> GaugeGuard {
+        gauge.inc();
+        GaugeGuard(gauge)
+    }
+}
 
 impl Drop for GaugeGuard {
     fn drop(&mut self) {
@@ -90,6 +100,7 @@ impl Default for Stats {
             audit_dropped: Counter::default(),
             in_flight: Gauge::default(),
             waiting: Gauge::default(),
+            parked: Gauge::default(),
             requests: Family::default(),
             observed: Family::default(),
             reloads: Family::default(),
@@ -117,6 +128,11 @@ impl Default for Stats {
             "idemproxy_config_reloads",
             "Configuration reloads by result (ok or error)",
             s.reloads.clone(),
+        );
+        r.register(
+            "idemproxy_connections_parked",
+            "Keep-alive connections waiting for their next request with only the socket held",
+            s.parked.clone(),
         );
         r.register(
             "idemproxy_protected_requests",
@@ -188,6 +204,10 @@ impl Stats {
         self.replayed.get()
     }
     /// Protected requests at the upstream right now.
+    /// The gauge of parked connections, for [`crate::connection::Http`].
+    pub fn parked(&self) -> Gauge {
+        self.parked.clone()
+    }
     pub fn in_flight(&self) -> u64 {
         self.in_flight.get().max(0) as u64
     }

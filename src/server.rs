@@ -128,6 +128,7 @@ impl Server {
         };
         let cancel = CancellationToken::new();
         let mut loops = Vec::new();
+        let http = Arc::new(Http::new(HEADER_READ_TIMEOUT, live.load().stats.parked()));
 
         let main = bind(config.server.listen).await?;
         let main_addr = main.local_addr()?;
@@ -142,6 +143,7 @@ impl Server {
             Serving::plain(tls.clone()),
             proxy_handler(&live, Listener::Main),
             limits,
+            http.clone(),
             cancel.clone(),
             Some(threads.clone()),
         ));
@@ -157,6 +159,7 @@ impl Server {
                 Serving::plain(tls.clone()),
                 proxy_handler(&live, Listener::Upstream(u.clone())),
                 limits,
+                http.clone(),
                 cancel.clone(),
                 Some(threads.clone()),
             ));
@@ -184,7 +187,15 @@ impl Server {
                     tls: None,
                     upgrades: true,
                 };
-                loops.push(serve(l, serving, handler, limits, cancel.clone(), None));
+                loops.push(serve(
+                    l,
+                    serving,
+                    handler,
+                    limits,
+                    http.clone(),
+                    cancel.clone(),
+                    None,
+                ));
                 Some(addr)
             }
             None => None,
@@ -208,6 +219,7 @@ impl Server {
                     Serving::plain(None),
                     handler,
                     limits,
+                    http.clone(),
                     cancel.clone(),
                     None,
                 ));
@@ -327,6 +339,7 @@ fn serve(
     serving: Serving,
     handler: Handler,
     limits: crate::accept::Limits,
+    http: Arc<Http>,
     cancel: CancellationToken,
     threads: Option<Arc<ConnThreads>>,
 ) -> JoinHandle<()> {
@@ -335,7 +348,6 @@ fn serve(
         // under way finish first; `open` is awaited until every connection has ended.
         let closing = CancellationToken::new();
         let open = TaskTracker::new();
-        let http = Arc::new(Http::new(HEADER_READ_TIMEOUT));
         let mut acceptor = crate::accept::Acceptor::new(listener, limits);
         loop {
             let (stream, peer, permit) = tokio::select! {
@@ -346,7 +358,9 @@ fn serve(
             let conn = Connection {
                 serving: serving.clone(),
                 http: http.clone(),
-                closing: closing.clone(),
+                // A token of its own: waiting on the listener's one would take that token's
+                // lock on every request of every connection.
+                closing: closing.child_token(),
                 handler: handler.clone(),
                 peer,
                 progress: permit.conn(),

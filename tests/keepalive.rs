@@ -210,3 +210,51 @@ async fn an_idle_connection_is_closed_when_the_proxy_stops() {
     assert!(until_closed(&mut s).await.is_empty());
     assert_eq!(upstream.count(), 1);
 }
+
+/// A connection that idles is parked (its hyper state freed, seen on the gauge), and the next
+/// request on it — a write, then its retry — is served on the same socket.
+#[tokio::test]
+async fn a_parked_connection_carries_the_next_request() {
+    let upstream = RecordingUpstream::start().await;
+    let proxy = start(&upstream).await;
+    let mut s = TcpStream::connect(proxy.main_addr).await.unwrap();
+    let mut rest = Vec::new();
+    s.write_all(b"GET /api/x HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    answer(&mut s, &mut rest).await;
+    // Read on connections of their own, closed after each answer (never parked themselves).
+    let admin = proxy.admin_addr.expect("an admin listener");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while parked(admin).await == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "never parked");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(parked(admin).await, 1);
+    for replayed in [false, true] {
+        s.write_all(post("after-park", "{}").as_bytes())
+            .await
+            .unwrap();
+        let (head, _) = answer(&mut s, &mut rest).await;
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(
+            head.contains(&format!("idempotent-replayed: {replayed}")),
+            "{head}"
+        );
+    }
+    assert_eq!(upstream.count_method("POST"), 1);
+    assert_eq!(upstream.count(), 2);
+}
+
+/// `idemproxy_connections_parked` on `admin`'s `/metrics`.
+async fn parked(admin: std::net::SocketAddr) -> u64 {
+    let page = raw_request(
+        admin,
+        b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    page.lines()
+        .find_map(|l| l.strip_prefix("idemproxy_connections_parked "))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("the gauge on /metrics")
+}

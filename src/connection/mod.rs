@@ -1,10 +1,10 @@
 //! Serving one accepted connection, HTTP/1.1 or HTTP/2, so that an idle connection holds
 //! almost nothing. hyper keeps an HTTP/1 connection's read and write buffers (8 KiB each)
 //! and its dispatcher for as long as the connection lives; nginx frees a keep-alive
-//! connection's buffers while it idles, and so does this module: each HTTP/1 exchange runs on
-//! a hyper connection of its own, which gives the socket back once the answer is written and it
-//! asks for the next request ([`turn`]); between requests the bare socket is parked until its
-//! next bytes, then handed to a fresh hyper connection with those bytes put back in front.
+//! connection's buffers while it idles, and so does this module: HTTP/1 requests run on a
+//! hyper connection that gives the socket back once no request has begun for a second
+//! ([`turn`]); the bare socket is then parked until its next bytes, and handed to a fresh hyper
+//! connection with those bytes put back in front.
 //!
 //! The client sees one keep-alive connection. One is closed (with `Connection: close` on the
 //! last answer) when the client asked to, when a request's body was not read to its end (its
@@ -23,6 +23,7 @@ use http::{HeaderMap, Request, Response, StatusCode, Version};
 use hyper::body::Incoming;
 use hyper::server::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use prometheus_client::metrics::gauge::Gauge;
 use rewind::Rewind;
 use std::convert::Infallible;
 use std::fmt::Display;
@@ -45,12 +46,14 @@ pub struct Http {
     h2: http2::Builder<TokioExecutor>,
     /// How long a connection may wait for its first request, and idle between requests.
     idle: Duration,
+    /// Connections waiting for a request with only the socket held.
+    parked: Gauge,
 }
 
 impl Http {
     /// `head` bounds a request head once its first byte is in, and a connection's wait for a
-    /// request (its first, or its next).
-    pub fn new(head: Duration) -> Http {
+    /// request (its first, or its next); `parked` counts the connections waiting.
+    pub fn new(head: Duration, parked: Gauge) -> Http {
         let mut h1 = http1::Builder::new();
         h1.timer(TokioTimer::new())
             .header_read_timeout(head)
@@ -61,7 +64,12 @@ impl Http {
         h2.timer(TokioTimer::new())
             .keep_alive_interval(Duration::from_secs(30))
             .keep_alive_timeout(Duration::from_secs(10));
-        Http { h1, h2, idle: head }
+        Http {
+            h1,
+            h2,
+            idle: head,
+            parked,
+        }
     }
 }
 
@@ -80,11 +88,11 @@ pub async fn serve<I, H, F, B>(
     B: hyper::body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let Some(mut next) = wait(&mut io, http, closing, peer).await else {
+    let Some(mut next) = wait(&mut io, http, closing, peer, false).await else {
         return;
     };
     while next.len() < PREFACE.len() && PREFACE.starts_with(&next) {
-        let Some(more) = wait(&mut io, http, closing, peer).await else {
+        let Some(more) = wait(&mut io, http, closing, peer, false).await else {
             return;
         };
         let mut joined = BytesMut::from(&next[..]);
@@ -103,7 +111,7 @@ pub async fn serve<I, H, F, B>(
         io = back;
         next = match rest.is_empty() {
             false => rest,
-            true => match wait(&mut io, http, closing, peer).await {
+            true => match wait(&mut io, http, closing, peer, true).await {
                 Some(bytes) => bytes,
                 None => return,
             },
@@ -112,16 +120,19 @@ pub async fn serve<I, H, F, B>(
 }
 
 /// Parks `io` until bytes arrive and returns them; `None` when the connection is over (closed
-/// by the client, idle too long, or the listener closing), after closing it.
+/// by the client, idle too long, or the listener closing), after closing it. `kept`: after a
+/// request (counted as parked), not before the first.
 async fn wait<I>(
     io: &mut I,
     http: &Http,
     closing: &CancellationToken,
     peer: &(dyn Display + Sync),
+    kept: bool,
 ) -> Option<Bytes>
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
+    let _parked = kept.then(|| crate::metrics::GaugeGuard::up(http.parked.clone()));
     let read = tokio::select! {
         _ = closing.cancelled() => None,
         read = tokio::time::timeout(http.idle, first_bytes(io)) => Some(read),
@@ -158,9 +169,9 @@ async fn close<I: AsyncWrite + Unpin>(io: &mut I) {
 
 type Answer<B> = Pin<Box<dyn Future<Output = Result<Response<B>, Infallible>> + Send>>;
 
-/// One HTTP/1 request and its answer (or several, when pipelined ones are in by then) on a
-/// hyper connection of its own. Returns the socket and any bytes read past the last request
-/// when the connection may carry another.
+/// HTTP/1 requests and their answers on one hyper connection, until the connection idles
+/// (see [`turn`]), closes or may not carry another request. Returns the socket and any bytes
+/// read past the last request when the connection may carry another.
 async fn exchange<I, H, F, B>(
     io: Rewind<I>,
     http: &Http,
@@ -203,7 +214,15 @@ where
     let io = TokioIo::new(Turned::new(io, turn.clone()));
     // Boxed, so its buffers and dispatcher are freed with it and the waiting task stays small.
     let mut conn = Box::new(http.h1.serve_connection(io, svc));
+    // Closing: an idle hyper connection closes at once, a busy one after its answer.
+    let cancelled = closing.cancelled();
+    tokio::pin!(cancelled);
+    let mut shut = false;
     let served = std::future::poll_fn(|cx| loop {
+        if !shut && cancelled.as_mut().poll(cx).is_ready() {
+            shut = true;
+            Pin::new(&mut *conn).graceful_shutdown();
+        }
         let polled = conn.poll_without_shutdown(cx);
         if polled.is_pending() && turn.tell() {
             Pin::new(&mut *conn).graceful_shutdown();

@@ -5,12 +5,18 @@
 //! is caught here, before it reaches the socket.
 
 use super::rewind::Rewind;
+use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::{Instant, Sleep};
+
+/// How often a connection waiting for its next request checks whether one has begun since.
+pub const GRACE: Duration = Duration::from_secs(1);
 
 /// What one exchange has come to.
 #[derive(Default)]
@@ -23,6 +29,8 @@ pub(super) struct Turn {
     pub asked: AtomicBool,
     /// hyper was told to close once already: reads go through from then on.
     pub told: AtomicBool,
+    /// A request has begun since the last [`GRACE`] tick.
+    pub busy: AtomicBool,
 }
 
 impl Turn {
@@ -30,6 +38,7 @@ impl Turn {
     pub fn begin(&self) {
         self.read.store(false, Ordering::Release);
         self.again.store(false, Ordering::Release);
+        self.busy.store(true, Ordering::Relaxed);
     }
 
     /// Whether hyper asked for the next head and is to be told to close (once only: should it
@@ -43,11 +52,31 @@ impl Turn {
 pub(super) struct Turned<I> {
     io: Rewind<I>,
     turn: Arc<Turn>,
+    /// The [`GRACE`] ticks, from the first wait for a next request on.
+    tick: Option<Pin<Box<Sleep>>>,
 }
 
 impl<I> Turned<I> {
     pub fn new(io: Rewind<I>, turn: Arc<Turn>) -> Turned<I> {
-        Turned { io, turn }
+        Turned {
+            io,
+            turn,
+            tick: None,
+        }
+    }
+
+    /// Whether a whole tick has passed with no request begun (the waker is kept for the next).
+    fn idled(&mut self, cx: &mut Context<'_>) -> bool {
+        let tick = self
+            .tick
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep(GRACE)));
+        while tick.as_mut().poll(cx).is_ready() {
+            if !self.turn.busy.swap(false, Ordering::Relaxed) {
+                return true;
+            }
+            tick.as_mut().reset(Instant::now() + GRACE);
+        }
+        false
     }
 
     pub fn into_inner(self) -> Rewind<I> {
@@ -61,13 +90,14 @@ impl<I: AsyncRead + Unpin> AsyncRead for Turned<I> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        // The caller re-polls the connection at once after telling it to close (see `tell`).
-        let turn = &self.turn;
-        if turn.again.load(Ordering::Acquire) && !turn.told.load(Ordering::Acquire) {
-            turn.asked.store(true, Ordering::Release);
-            return Poll::Pending;
+        let waiting =
+            self.turn.again.load(Ordering::Acquire) && !self.turn.told.load(Ordering::Acquire);
+        let read = Pin::new(&mut self.io).poll_read(cx, buf);
+        if read.is_pending() && waiting && self.idled(cx) {
+            // The caller re-polls the connection at once after telling it to close.
+            self.turn.asked.store(true, Ordering::Release);
         }
-        Pin::new(&mut self.io).poll_read(cx, buf)
+        read
     }
 }
 

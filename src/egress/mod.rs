@@ -189,9 +189,12 @@ fn intercept(
     let upgrade = hyper::upgrade::on(&mut req);
     let host: Arc<str> = host.into();
     let (http, closing) = match req.extensions().get::<Afterwards>() {
-        Some(a) => (a.http.clone(), a.closing.clone()),
+        Some(a) => (a.http.clone(), a.closing.child_token()),
         None => (
-            Arc::new(Http::new(crate::accept::HEADER_READ_TIMEOUT)),
+            Arc::new(Http::new(
+                crate::accept::HEADER_READ_TIMEOUT,
+                live.load().stats.parked(),
+            )),
             CancellationToken::new(),
         ),
     };
