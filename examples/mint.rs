@@ -6,8 +6,8 @@ use std::time::Instant;
 fn main() -> anyhow::Result<()> {
     let n: usize = std::env::args().nth(1).map_or(Ok(200), |s| s.parse())?;
     let dir = tempfile::tempdir()?;
-    let (cert, key) = idemproxy::egress::ca::init(dir.path())?;
-    let ca = idemproxy::egress::ca::Authority::load(&cert, &key)?;
+    let (cert, key) = idemproxy::ca::init(dir.path())?;
+    let ca = idemproxy::ca::Authority::load(&cert, &key)?;
     let hosts: Vec<String> = (0..n).map(|i| format!("acct{i}.zendesk.com")).collect();
     let started = Instant::now();
     for h in &hosts {

@@ -1,23 +1,21 @@
 //! # idemproxy
 //!
-//! An idempotent reverse proxy for outbound write APIs. Module map, in the order a request
-//! meets them:
+//! An idempotent reverse proxy for outbound write APIs. Three wings at the top, each a folder
+//! with its own map, over the floors they share:
 //!
-//! - [`server`]: listeners (main, per-upstream, admin, egress), optional inbound TLS,
-//!   graceful shutdown.
-//! - [`accept`]: the accept loop under hostile load: connection limits per listener and per
-//!   peer, back-off when file descriptors run out, rate-limited logs.
-//! - [`shed`]: at the connection limit, the connection that made the least progress is
-//!   closed to admit a new one.
-//! - [`connection`]: one accepted connection served, HTTP/1.1 or HTTP/2, parked between
-//!   requests with hyper's buffers freed (an idle connection costs a few KiB); the request body
-//!   type that tells whether a body was read to its end; tunnels spliced without buffers.
-//! - [`egress`]: the egress listener, an HTTP forward proxy for clients whose API host is
-//!   fixed: `CONNECT`s to the hosts an upstream claims are intercepted with a leaf from the
-//!   proxy's CA and run through the router as on that upstream's listener; tunnels spliced;
-//!   any other host refused.
-//! - [`router`]: the main-listener router: prefix → upstream, path safety, safe methods streamed
-//!   through, route matching, `unmatched` policy.
+//! - [`cli`]: the `idemproxy` commands (`serve`, `check`, `explain`, `keys`, `migrate`, `ca`);
+//!   `cli::explain` is the dry run, `cli::keys` settles a key from the command line.
+//! - [`server`]: the serving wing — listeners (main, per-upstream, admin, egress), the accept
+//!   loop and shedding, the router, the egress listener, graceful shutdown.
+//! - [`rules`]: the little languages of routes (templates, body paths, path patterns, a
+//!   reconciled answer's shape) and request data read exactly (form and query bytes, JSON
+//!   numbers by value).
+//!
+//! What they share, in the order a request meets it:
+//!
+//! - [`connection`]: one accepted connection served, HTTP/1.1 or HTTP/2, parked when idle with
+//!   hyper's buffers freed (an idle connection costs a few KiB); the request body type that
+//!   tells whether a body was read to its end; tunnels spliced without buffers.
 //! - [`threads`]: connection threads beside the runtime's one worker, each keeping its
 //!   connections, their tasks and its upstream pools on one thread.
 //! - [`state`]: the state every request shares (`AppState`), and the one in force (`Live`).
@@ -29,10 +27,6 @@
 //! - [`upstream`]: the upstream side: pooled clients (rustls, per-upstream trust roots), header
 //!   hygiene, the call of a protected request and its outcome table, passthrough streaming.
 //! - [`config`]: `proxy.toml`, parsed and validated into compiled types at load.
-//! - [`template`], [`body`], [`route`], [`shape`]: the little languages of routes — templates,
-//!   body paths and forms, path patterns, a reconciled write's answer shaped from its read.
-//! - [`urlencoded`], [`number`]: request data read exactly — form and query fields as the
-//!   bytes their escapes spell (never lossy text), JSON numbers by value (`9801.0` is `9801`).
 //! - [`key`]: client keys, derived keys, fingerprints, credential scopes.
 //! - [`scope_secret`]: which secret keys a store's scopes (`scope_secret`, one derived from an
 //!   encryption key, or SQLite's generated `.secret` file).
@@ -43,9 +37,8 @@
 //!   pipelined on a thread of its own, each commit's WAL frames written in one call,
 //!   outcomes nobody waits on taken into the next batch, its pace set by the load — and the
 //!   request path's reads on the caller's thread, `store::sqlite::reader`) and PostgreSQL
-//!   (replicas,
-//!   leases, NOTIFY; statements batched, `store::postgres::batch` — entity leases too,
-//!   `store::postgres::leases` — and on connections kept between them,
+//!   (replicas, leases, NOTIFY; statements batched, `store::postgres::batch` — entity leases
+//!   too, `store::postgres::leases` — and on connections kept between them,
 //!   `store::postgres::kept`) backends, the replay cache as a layer in front of either
 //!   (`store::cached`, its entries `store::replay_cache`; it also holds answers given before
 //!   their commit, `store::settling`), and stored answers sealed at rest (`store::seal`,
@@ -55,9 +48,10 @@
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
 //! - [`console`]: the operators' HTML console on the admin listener (sign-in, needs attention,
 //!   entity timelines, keys, overview), server-rendered with no script.
-//! - [`cli_settle`]: `idemproxy keys release` and `keys complete`.
 //! - [`settle`]: an operator settles a key by hand (release, or complete with the real
 //!   answer), with the entity locks a request takes and an audit row with the note.
+//! - [`ca`]: the egress listener's certificate authority: `idemproxy ca init/show`, and leaves
+//!   minted per host.
 //! - [`metrics`]: counters shared by the pipeline and the admin listener.
 //! - [`error`]: the one error type of the request path and its mapping to JSON responses.
 //! - [`error_format`]: the same errors in the shape of the API behind an upstream (Stripe,
@@ -65,45 +59,33 @@
 //! - [`redact`]: store URLs fit for logs, their passwords masked.
 //! - [`logging`]: log lines and CLI output with control characters escaped (no forged
 //!   lines, no terminal escapes from request data).
-//! - [`cli`]: the `idemproxy` commands (`serve`, `check`, `explain`, `keys`, `migrate`).
-//! - [`explain`]: the dry run behind `idemproxy explain`.
 //! - [`fault`]: named fault points for the deterministic crash tests (the `faults` feature
 //!   only; nothing without it).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 
-pub mod accept;
 pub mod admin;
 pub mod audit;
-pub mod body;
+pub mod ca;
 pub mod cli;
-pub mod cli_settle;
 pub mod config;
 pub mod connection;
 pub mod console;
-pub mod egress;
 pub mod error;
 pub mod error_format;
-pub mod explain;
 pub mod fault;
 pub mod key;
 pub mod locks;
 pub mod logging;
 pub mod metrics;
-pub mod number;
 pub mod pipeline;
 pub mod redact;
 pub mod reload;
-pub mod route;
-pub mod router;
+pub mod rules;
 pub mod scope_secret;
 pub mod server;
 pub mod settle;
-pub mod shape;
-pub mod shed;
 pub mod state;
 pub mod store;
-pub mod template;
 pub mod threads;
 pub mod upstream;
-pub mod urlencoded;

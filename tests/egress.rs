@@ -264,7 +264,7 @@ async fn a_connect_that_never_finishes_its_handshake_is_closed() {
 #[tokio::test]
 async fn a_ca_key_others_can_read_is_refused_at_start() {
     let dir = TestDir::new();
-    let (ca, key) = idemproxy::egress::ca::init(&dir.path().join("certs")).expect("ca init");
+    let (ca, key) = idemproxy::ca::init(&dir.path().join("certs")).expect("ca init");
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).expect("chmod");
     let config = format!(

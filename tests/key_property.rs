@@ -13,7 +13,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use idemproxy::config::Config;
 use idemproxy::key::ScopeKeyer;
 use idemproxy::pipeline::prepare::{plan_key, prepare, Input};
-use idemproxy::router::{resolve, Action, Listener};
+use idemproxy::server::router::{resolve, Action, Listener};
 use proptest::prelude::*;
 
 const CONFIG: &str = r#"

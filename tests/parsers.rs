@@ -3,10 +3,10 @@
 //! minimal input; the case count is bounded so the suite stays quick.
 
 use http::{HeaderMap, HeaderName, HeaderValue};
-use idemproxy::body::{self, BodyKind, BodyPath};
 use idemproxy::key;
-use idemproxy::route::{canonical, check_path, PathPattern};
-use idemproxy::template::{RequestView, Template};
+use idemproxy::rules::body::{self, BodyKind, BodyPath};
+use idemproxy::rules::pattern::{canonical, check_path, PathPattern};
+use idemproxy::rules::template::{RequestView, Template};
 use proptest::prelude::*;
 
 /// Strings rich in the characters these parsers care about.
@@ -75,7 +75,7 @@ proptest! {
             fingerprint: Some("f"),
         };
         match t.eval(&view) {
-            Ok(values) => prop_assert!(values.len() <= idemproxy::template::MAX_VALUES),
+            Ok(values) => prop_assert!(values.len() <= idemproxy::rules::template::MAX_VALUES),
             Err(field) => prop_assert!(!field.is_empty() || text.is_empty()),
         }
         let _ = t.eval_url(&view);

@@ -202,7 +202,10 @@ fn upstreams(
         let prefix = u.prefix.as_ref().and_then(|p| {
             let s = cx.s(p)?;
             let trimmed = s.trim_end_matches('/').to_owned();
-            if !s.starts_with('/') || trimmed.is_empty() || crate::route::check_path(&s).is_err() {
+            if !s.starts_with('/')
+                || trimmed.is_empty()
+                || crate::rules::pattern::check_path(&s).is_err()
+            {
                 cx.err(p.span(), format!("prefix {s:?} must look like /name"));
                 return None;
             }

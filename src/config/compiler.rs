@@ -5,7 +5,7 @@
 use super::raw::Str;
 use super::units::{expand_env, parse_duration};
 use super::Mode;
-use crate::template::Template;
+use crate::rules::template::Template;
 use http::HeaderName;
 use std::net::SocketAddr;
 use std::ops::Range;

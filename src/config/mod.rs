@@ -14,11 +14,11 @@ mod side_reads;
 mod store;
 pub mod units;
 
-use crate::body::BodyPath;
 pub use crate::key::FingerprintRule;
 pub use crate::redact::redact_url;
-use crate::route::PathPattern;
-use crate::template::Template;
+use crate::rules::body::BodyPath;
+use crate::rules::pattern::PathPattern;
+use crate::rules::template::Template;
 pub use egress::{EgressConfig, HostPattern};
 use http::{HeaderName, Method};
 pub use routes::intent_only;

@@ -5,7 +5,7 @@ use super::compiler::Compiler;
 use super::raw::*;
 use super::side_reads::{precheck, reconcile};
 use super::*;
-use crate::template::Source;
+use crate::rules::template::Source;
 use std::collections::BTreeMap;
 use toml::Spanned;
 
@@ -251,7 +251,7 @@ pub(super) fn route(
     let stamp = r.stamp.as_ref().and_then(|s| {
         let text = cx.s(s)?;
         let parsed = match text.strip_prefix("body.").map(BodyPath::parse) {
-            Some(Ok(p)) if !p.0.contains(&crate::body::Step::All) => Ok(p),
+            Some(Ok(p)) if !p.0.contains(&crate::rules::body::Step::All) => Ok(p),
             Some(Ok(_)) => Err(format!("stamp {text:?}: one field, not [*]")),
             Some(Err(e)) => Err(e),
             None => Err(format!(

@@ -5,7 +5,7 @@
 use super::compiler::Compiler;
 use super::raw::*;
 use super::*;
-use crate::template::Source;
+use crate::rules::template::Source;
 use toml::Spanned;
 
 pub(super) type Check<'a> =
@@ -288,7 +288,7 @@ fn body_field(
 fn answer(cx: &mut Compiler, name: &str, a: &Spanned<toml::Value>) -> Option<serde_json::Value> {
     let json = serde_json::to_value(a.get_ref()).ok()?;
     let mut bad = Vec::new();
-    crate::shape::visit_reads(&json, &mut |p| {
+    crate::rules::shape::visit_reads(&json, &mut |p| {
         if let Err(e) = p {
             bad.push(e);
         }

@@ -303,7 +303,37 @@ async fn serve_h2<I, H, F, B>(
             }
         }
     };
-    crate::accept::drive(served, &spoke, peer).await;
+    drive(served, &spoke, peer).await;
+}
+
+/// How long a client may take to send a request head (and how long a connection may idle
+/// before its first request).
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Serves a connection to its end — unless no request has begun within
+/// [`HEADER_READ_TIMEOUT`]: hyper's header timeout starts only once a request's bytes arrive
+/// (and after HTTP/1-or-2 detection), so a silent client would otherwise hold its slot.
+pub async fn drive<F, E>(conn: F, spoke: &AtomicBool, peer: impl std::fmt::Display)
+where
+    F: Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    tokio::pin!(conn);
+    let ended = tokio::select! {
+        r = &mut conn => Some(r),
+        _ = tokio::time::sleep(HEADER_READ_TIMEOUT) => None,
+    };
+    let result = match ended {
+        Some(r) => r,
+        None if !spoke.load(Ordering::Relaxed) => {
+            tracing::debug!(%peer, "closing a connection that sent no request in time");
+            return;
+        }
+        None => conn.await,
+    };
+    if let Err(e) = result {
+        tracing::debug!(%peer, error = %e, "connection ended with an error");
+    }
 }
 
 #[cfg(test)]

@@ -15,9 +15,7 @@ pub fn page(state: &AppState, frame: &Frame<'_>) -> Markup {
     let server = &config.server;
     let egress = &config.egress;
     let set = |b: bool| if b { "set" } else { "none" };
-    let ca = egress
-        .listen
-        .map(|_| crate::egress::ca::identity(&egress.ca_cert));
+    let ca = egress.listen.map(|_| crate::ca::identity(&egress.ca_cert));
     let body = html! {
         h1 { "Running" }
         dl.running {

@@ -1,8 +1,8 @@
 //! The fingerprint: what a request asks for, hashed, so a retry of the same intent is
 //! recognized whatever order its fields come in.
 
-use crate::body::{form_name_steps, BodyKind, BodyPath, Step};
-use crate::urlencoded::{pairs, Pair};
+use crate::rules::body::{form_name_steps, BodyKind, BodyPath, Step};
+use crate::rules::urlencoded::{pairs, Pair};
 use http::{HeaderMap, HeaderName};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -119,7 +119,7 @@ fn form_field_matches(path: &BodyPath, name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::body;
+    use crate::rules::body;
 
     fn fp(body: &[u8], kind: BodyKind, ignore: &[&str]) -> String {
         let rule = FingerprintRule {

@@ -2,7 +2,7 @@
 //! (curl's `-d` without a `Content-Type`) or with no `Content-Type` at all otherwise reads as
 //! "the request lacks the field", which names neither the cause nor the fix.
 
-use crate::body::BodyKind;
+use crate::rules::body::BodyKind;
 use http::HeaderMap;
 
 /// What step 1 made of the body.

@@ -4,12 +4,12 @@
 use super::body_read::BodyRead;
 use super::readable::{readable, wildcard_host};
 use super::side_read;
-use crate::body::{self, BodyKind};
 use crate::config::{Expected, Reconcile, Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::key;
+use crate::rules::body::{self, BodyKind};
+use crate::rules::template::{RequestView, Source};
 use crate::store::ScopedKey;
-use crate::template::{RequestView, Source};
 use bytes::Bytes;
 use http::{HeaderMap, Method};
 use serde_json::Value;
@@ -125,9 +125,9 @@ pub fn prepare(
     scoper: &key::ScopeKeyer,
 ) -> ProxyResult<Prepared> {
     // Decoded once: bytes for the fingerprint, text for the templates.
-    let query_bytes: Vec<crate::urlencoded::Pair> = input
+    let query_bytes: Vec<crate::rules::urlencoded::Pair> = input
         .query
-        .map(|q| crate::urlencoded::pairs(q.as_bytes()).collect())
+        .map(|q| crate::rules::urlencoded::pairs(q.as_bytes()).collect())
         .unwrap_or_default();
     let query = readable(route, input.headers, &query_bytes)?;
     let kind = BodyKind::of(input.headers);

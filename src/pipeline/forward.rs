@@ -50,7 +50,7 @@ impl Outgoing {
     }
 
     /// Writes `stamp` into the JSON body at `field` (step 1 checked the body is JSON).
-    fn stamp(&mut self, field: &crate::body::BodyPath, stamp: String) -> ProxyResult<()> {
+    fn stamp(&mut self, field: &crate::rules::body::BodyPath, stamp: String) -> ProxyResult<()> {
         let refuse = |why: &str| {
             ProxyError::new(
                 ErrorKind::BodyInvalid,

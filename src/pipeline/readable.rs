@@ -5,7 +5,7 @@
 
 use crate::config::{Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
-use crate::template::Source;
+use crate::rules::template::Source;
 use http::HeaderMap;
 
 /// The intercepted host, when the upstream claims several (`*.zendesk.com`, or more than one
@@ -29,7 +29,7 @@ pub(super) fn wildcard_host<'a>(upstream: &Upstream, host: Option<&'a str>) -> O
 pub(super) fn readable(
     route: &Route,
     headers: &HeaderMap,
-    query: &[crate::urlencoded::Pair],
+    query: &[crate::rules::urlencoded::Pair],
 ) -> ProxyResult<Vec<(String, String)>> {
     if headers
         .get_all(http::header::CONTENT_TYPE)
@@ -60,7 +60,7 @@ pub(super) fn readable(
                         ErrorKind::HeaderInvalid,
                         format!(
                             "{name} ({}) is not UTF-8 text; route {} reads it. Send it as UTF-8",
-                            crate::urlencoded::shown(v.as_bytes()),
+                            crate::rules::urlencoded::shown(v.as_bytes()),
                             route.name
                         ),
                     ));
@@ -69,7 +69,7 @@ pub(super) fn readable(
             _ => {}
         }
     }
-    match crate::urlencoded::as_text(query) {
+    match crate::rules::urlencoded::as_text(query) {
         Ok(pairs) => Ok(pairs),
         Err(why) if reads_query => Err(ProxyError::new(
             ErrorKind::BadPath,

@@ -14,8 +14,8 @@ use super::prepare::ReconcileRead;
 use super::{side_read, Ctx};
 use crate::config::{Mode, Reconcile};
 use crate::error::ProxyError;
+use crate::rules::template::STAMP_MARK;
 use crate::store::{now_ms, KeyRecord, KeyState, StoredResponse, RECONCILED};
-use crate::template::STAMP_MARK;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -153,7 +153,7 @@ fn judge(rc: &Reconcile, read: &ReconcileRead, mut answer: StoredResponse) -> Ve
         if let Some(shape) = &rc.answer {
             // A field the shape names and the read lacks: nothing was found.
             let body = serde_json::from_slice(&answer.body).ok();
-            let Some(body) = body.and_then(|b| crate::shape::fill(shape, &b)) else {
+            let Some(body) = body.and_then(|b| crate::rules::shape::fill(shape, &b)) else {
                 return Verdict::NotFound;
             };
             answer.body = bytes::Bytes::from(body.to_string());

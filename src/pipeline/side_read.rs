@@ -3,10 +3,10 @@
 //! caller's credentials sent along, the whole answer read within the upstream's timeout, and
 //! its JSON body held against expected values.
 
-use crate::body::BodyPath;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
+use crate::rules::body::BodyPath;
+use crate::rules::template::{RequestView, Template};
 use crate::store::StoredResponse;
-use crate::template::{RequestView, Template};
 use crate::upstream::{call, full, Called, UpstreamClient};
 use http::{HeaderMap, HeaderValue, Method, Request};
 use serde_json::Value;
@@ -27,7 +27,7 @@ pub(super) fn eval_path(
         .with_key(key)
     })?;
     let only_path = path.split('?').next().unwrap_or_default();
-    crate::route::check_path(only_path).map_err(|why| {
+    crate::rules::pattern::check_path(only_path).map_err(|why| {
         ProxyError::new(
             ErrorKind::BadPath,
             format!("the {what} path {path:?}: {why}"),

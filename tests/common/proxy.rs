@@ -310,7 +310,7 @@ pub async fn shipped_egress(
     extra: &[(&str, &str)],
 ) -> (TestProxy, PathBuf) {
     let dir = TestDir::new();
-    let (ca, key) = idemproxy::egress::ca::init(&dir.path().join("certs")).expect("ca init");
+    let (ca, key) = idemproxy::ca::init(&dir.path().join("certs")).expect("ca init");
     let mut vars: Vec<(&str, String)> = apis.to_vec();
     vars.extend([
         ("IDEMPROXY_LISTEN", "127.0.0.1:0".into()),

@@ -4,7 +4,7 @@
 //! [`RequestView`]. A template that names a missing field fails the request (never a silent
 //! fallback), and a `[*]` step yields several values (one entity each).
 
-use crate::body::BodyPath;
+use crate::rules::body::BodyPath;
 use http::{HeaderMap, HeaderName};
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde_json::Value;
@@ -130,7 +130,7 @@ impl Template {
 
     /// The body field this template is, when it is that one field and nothing else
     /// (`{body.properties}`): a reconcile expectation then takes its JSON value, objects too.
-    pub fn only_body_field(&self) -> Option<&crate::body::BodyPath> {
+    pub fn only_body_field(&self) -> Option<&crate::rules::body::BodyPath> {
         match self.parts.as_slice() {
             [Part::Var(Source::Body(p))] => Some(p),
             _ => None,

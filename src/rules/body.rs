@@ -116,7 +116,7 @@ impl BodyPath {
                 Value::Null => None,
                 Value::String(s) => Some(s.clone()),
                 // One number, one name, however it is written: `9801`, `9801.0`, `9.801e3`.
-                Value::Number(n) => Some(crate::number::canonical(&n.to_string())),
+                Value::Number(n) => Some(crate::rules::number::canonical(&n.to_string())),
                 other => Some(other.to_string()),
             })
             .collect()
@@ -265,7 +265,8 @@ pub const MAX_FORM_DEPTH: usize = 32;
 fn parse_form(bytes: &[u8]) -> Result<Value, String> {
     // Decoded without loss: a field whose bytes are not text is refused, never read as
     // U+FFFD (two customers would then be one).
-    let pairs = crate::urlencoded::text_pairs(bytes).map_err(|e| format!("the form body: {e}"))?;
+    let pairs =
+        crate::rules::urlencoded::text_pairs(bytes).map_err(|e| format!("the form body: {e}"))?;
     let mut root = Value::Object(Map::new());
     for (name, value) in pairs {
         let steps = form_name_steps(&name);

@@ -1,9 +1,9 @@
 //! `idemproxy explain`: the pipeline's step 1 and the router, as a dry run — no network, no
-//! store. It runs the same code as the server ([`crate::router::resolve`], [`crate::pipeline::prepare`]).
+//! store. It runs the same code as the server ([`crate::server::router::resolve`], [`crate::pipeline::prepare`]).
 
 use crate::config::Config;
 use crate::pipeline::prepare::{self, Input, KeyPlan, KeySource};
-use crate::router::{resolve, Action, Listener};
+use crate::server::router::{resolve, Action, Listener};
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method};
 use std::fmt::Write;

@@ -1,13 +1,11 @@
 //! Accepting connections under hostile load: a connection limit per listener (at which the
-//! connection that made the least progress is shed to admit a new one, see [`crate::shed`])
+//! connection that made the least progress is shed to admit a new one, see [`crate::server::shed`])
 //! and, optionally, per peer address, and a loop that backs off (instead of spinning) when
 //! the process runs out of file descriptors, with its log line rate-limited.
 
-use crate::shed::{Conn, Live, Tracked};
+use crate::server::shed::{Conn, Live, Tracked};
 use std::collections::HashMap;
-use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
@@ -195,36 +193,6 @@ impl RateLimitedLog {
                 self.suppressed = 0;
             }
         }
-    }
-}
-
-/// How long a client may take to send a request head (and how long a connection may idle
-/// before its first request).
-pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Serves a connection to its end — unless no request has begun within
-/// [`HEADER_READ_TIMEOUT`]: hyper's header timeout starts only once a request's bytes arrive
-/// (and after HTTP/1-or-2 detection), so a silent client would otherwise hold its slot.
-pub async fn drive<F, E>(conn: F, spoke: &AtomicBool, peer: impl std::fmt::Display)
-where
-    F: Future<Output = Result<(), E>>,
-    E: std::fmt::Display,
-{
-    tokio::pin!(conn);
-    let ended = tokio::select! {
-        r = &mut conn => Some(r),
-        _ = tokio::time::sleep(HEADER_READ_TIMEOUT) => None,
-    };
-    let result = match ended {
-        Some(r) => r,
-        None if !spoke.load(Ordering::Relaxed) => {
-            tracing::debug!(%peer, "closing a connection that sent no request in time");
-            return;
-        }
-        None => conn.await,
-    };
-    if let Err(e) = result {
-        tracing::debug!(%peer, error = %e, "connection ended with an error");
     }
 }
 

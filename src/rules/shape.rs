@@ -7,7 +7,7 @@
 //! `X` (a body path, `tickets[0]`), inserted as JSON values, never as text: nothing in a read
 //! can change the template's structure.
 
-use crate::body::BodyPath;
+use crate::rules::body::BodyPath;
 use serde_json::Value;
 
 /// The body path a template string names: `Some(Ok(None))` for `"{read}"`, `Some(Ok(path))`

@@ -1,5 +1,8 @@
 //! The `idemproxy` command line. `main.rs` only calls [`main`].
 
+pub mod explain;
+pub mod keys;
+
 use crate::config::Config;
 use crate::logging::escape_controls;
 use crate::store::{KeyFilter, KeyState};
@@ -98,14 +101,14 @@ enum KeysCommand {
         #[arg(long)]
         force: bool,
         #[command(flatten)]
-        which: crate::cli_settle::Which,
+        which: crate::cli::keys::Which,
     },
     /// The write happened: complete the key with the real answer; retries get it, marked as
     /// set by an operator, and are never forwarded.
     Complete {
         key: String,
         #[command(flatten)]
-        asked: crate::cli_settle::Asked,
+        asked: crate::cli::keys::Asked,
     },
     /// List recent keys.
     List {
@@ -133,7 +136,7 @@ pub fn main() -> ExitCode {
         command: CaCommand::Init { dir },
     } = &cli.command
     {
-        return match crate::egress::ca::init(dir) {
+        return match crate::ca::init(dir) {
             Ok((cert, key)) => {
                 println!(
                     "created {} and {} (mode 0600)",
@@ -184,9 +187,7 @@ pub fn main() -> ExitCode {
         }
         Command::Migrate => runtime(migrate(config)),
         Command::Keys { command } => runtime(keys(config, command)),
-        Command::Ca { .. } => {
-            crate::egress::ca::show(&config.egress.ca_cert).map(|text| print!("{text}"))
-        }
+        Command::Ca { .. } => crate::ca::show(&config.egress.ca_cert).map(|text| print!("{text}")),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -264,7 +265,7 @@ fn check(config: &Config) -> anyhow::Result<()> {
 /// Templates that copy credential headers into keys, entity names or versions would store
 /// the credentials in clear (keys and entities are stored and shown as they are).
 fn credential_warnings(config: &Config) -> Vec<String> {
-    use crate::template::Source;
+    use crate::rules::template::Source;
     let mut out = Vec::new();
     for r in &config.routes {
         let extra = config
@@ -318,8 +319,8 @@ fn explain(
         }
         Some(text) => Some(bytes::Bytes::copy_from_slice(text.as_bytes())),
     };
-    let report =
-        crate::explain::explain(config, method, url, headers, body).map_err(anyhow::Error::msg)?;
+    let report = crate::cli::explain::explain(config, method, url, headers, body)
+        .map_err(anyhow::Error::msg)?;
     print!("{}", escape_controls(&report, true));
     Ok(())
 }
@@ -390,10 +391,10 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
             which,
         } => {
             let asked = (note.as_deref(), force);
-            crate::cli_settle::release(&config, store.clone(), &key, asked, which).await
+            crate::cli::keys::release(&config, store.clone(), &key, asked, which).await
         }
         KeysCommand::Complete { key, asked } => {
-            crate::cli_settle::complete(&config, store.clone(), &key, asked).await
+            crate::cli::keys::complete(&config, store.clone(), &key, asked).await
         }
         KeysCommand::List {
             entity,

@@ -99,7 +99,7 @@ pub enum Action {
     /// Stream it through, unlocked and unrecorded.
     Passthrough,
     /// Run the pipeline under this route, with these path captures. Routes match the
-    /// canonical path ([`crate::route::canonical`]), so an escaped or `;param` spelling cannot
+    /// canonical path ([`crate::rules::pattern::canonical`]), so an escaped or `;param` spelling cannot
     /// slip past a route; what is fingerprinted is the path as forwarded.
     Protect(Arc<Route>, Vec<(String, String)>),
 }
@@ -112,7 +112,8 @@ pub fn resolve<'p>(
     method: &Method,
     path: &'p str,
 ) -> ProxyResult<(Arc<Upstream>, &'p str, Action)> {
-    crate::route::check_path(path).map_err(|why| ProxyError::new(ErrorKind::BadPath, why))?;
+    crate::rules::pattern::check_path(path)
+        .map_err(|why| ProxyError::new(ErrorKind::BadPath, why))?;
     check_method(method)?;
     let (upstream, rel) = match listener {
         // By name in the configuration in force (a reload may have changed its rules); an
@@ -130,10 +131,11 @@ pub fn resolve<'p>(
     if method.is_safe() {
         return Ok((upstream, rel, Action::Passthrough));
     }
-    let canonical = crate::route::canonical(rel);
+    let canonical = crate::rules::pattern::canonical(rel);
     // A capture names an entity or a key: bytes that are not text would be read as U+FFFD,
     // and two different paths would name one entity.
-    crate::route::check_text(&canonical).map_err(|why| ProxyError::new(ErrorKind::BadPath, why))?;
+    crate::rules::pattern::check_text(&canonical)
+        .map_err(|why| ProxyError::new(ErrorKind::BadPath, why))?;
     let matched = upstream.routes.iter().find_map(|r| {
         r.methods
             .contains(method)

@@ -3,18 +3,17 @@
 //!
 //! It intercepts only the hosts an upstream claims (`hosts = [...]`): a `CONNECT` to one is
 //! answered `200`, then TLS is ended here with a leaf for that host signed by the proxy's CA
-//! ([`ca`]), and each request inside runs through [`crate::router`] exactly as on that
+//! ([`ca`]), and each request inside runs through [`crate::server::router`] exactly as on that
 //! upstream's dedicated listener. Hosts in `egress.tunnel` are spliced untouched
 //! ([`tunnel`]); any other host is refused (`403 egress_host_not_allowed`) and nothing is
 //! connected: not an open proxy.
 
-pub mod ca;
 mod tunnel;
 
 use crate::config::{HostPattern, Upstream};
 use crate::connection::{self, Http, RequestBody};
 use crate::error::{ErrorKind, ProxyError};
-use crate::router::{self, Listener};
+use crate::server::router::{self, Listener};
 use crate::state::Live;
 use crate::upstream::ProxyBody;
 use http::{HeaderValue, Method, Request, Response, StatusCode};
@@ -26,7 +25,7 @@ use tokio_util::task::AbortOnDropHandle;
 
 /// What the egress listener keeps while it runs: the CA's leaves.
 pub struct Egress {
-    pub ca: ca::Authority,
+    pub ca: crate::ca::Authority,
 }
 
 /// Where a handler leaves the tasks that carry a connection on after an upgrade (a `CONNECT`;
@@ -192,7 +191,7 @@ fn intercept(
         Some(a) => (a.http.clone(), a.closing.child_token()),
         None => (
             Arc::new(Http::new(
-                crate::accept::HEADER_READ_TIMEOUT,
+                crate::connection::HEADER_READ_TIMEOUT,
                 live.load().stats.parked(),
             )),
             CancellationToken::new(),
