@@ -70,6 +70,17 @@ async fn until_closed(stream: &mut TcpStream) -> Vec<u8> {
     got
 }
 
+/// A connection to the proxy that has sent a GET and read its answer.
+async fn after_a_get(proxy: &TestProxy) -> (TcpStream, Vec<u8>) {
+    let mut s = TcpStream::connect(proxy.main_addr).await.unwrap();
+    let mut rest = Vec::new();
+    s.write_all(b"GET /api/x HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    answer(&mut s, &mut rest).await;
+    (s, rest)
+}
+
 fn connection(head: &str) -> Option<&str> {
     head.lines().find_map(|l| l.strip_prefix("connection: "))
 }
@@ -198,12 +209,7 @@ async fn a_body_left_unread_closes_the_connection_and_is_never_a_request() {
 async fn an_idle_connection_is_closed_when_the_proxy_stops() {
     let upstream = RecordingUpstream::start().await;
     let proxy = start(&upstream).await;
-    let mut s = TcpStream::connect(proxy.main_addr).await.unwrap();
-    let mut rest = Vec::new();
-    s.write_all(b"GET /api/x HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
-    answer(&mut s, &mut rest).await;
+    let (mut s, _) = after_a_get(&proxy).await;
     tokio::time::timeout(WAIT, proxy.shutdown())
         .await
         .expect("the proxy stops with an idle connection open");
@@ -217,12 +223,7 @@ async fn an_idle_connection_is_closed_when_the_proxy_stops() {
 async fn a_parked_connection_carries_the_next_request() {
     let upstream = RecordingUpstream::start().await;
     let proxy = start(&upstream).await;
-    let mut s = TcpStream::connect(proxy.main_addr).await.unwrap();
-    let mut rest = Vec::new();
-    s.write_all(b"GET /api/x HTTP/1.1\r\nHost: x\r\n\r\n")
-        .await
-        .unwrap();
-    answer(&mut s, &mut rest).await;
+    let (mut s, mut rest) = after_a_get(&proxy).await;
     // Read on connections of their own, closed after each answer (never parked themselves).
     let admin = proxy.admin_addr.expect("an admin listener");
     let deadline = tokio::time::Instant::now() + WAIT;

@@ -88,11 +88,13 @@ pub async fn serve<I, H, F, B>(
     B: hyper::body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let Some(mut next) = wait(&mut io, http, closing, peer, false).await else {
+    // One deadline for the first request's first bytes, however thinly they come.
+    let first = tokio::time::Instant::now() + http.idle;
+    let Some(mut next) = wait(&mut io, http, closing, peer, Wait::First(first)).await else {
         return;
     };
     while next.len() < PREFACE.len() && PREFACE.starts_with(&next) {
-        let Some(more) = wait(&mut io, http, closing, peer, false).await else {
+        let Some(more) = wait(&mut io, http, closing, peer, Wait::First(first)).await else {
             return;
         };
         let mut joined = BytesMut::from(&next[..]);
@@ -111,7 +113,7 @@ pub async fn serve<I, H, F, B>(
         io = back;
         next = match rest.is_empty() {
             false => rest,
-            true => match wait(&mut io, http, closing, peer, true).await {
+            true => match wait(&mut io, http, closing, peer, Wait::Next).await {
                 Some(bytes) => bytes,
                 None => return,
             },
@@ -119,23 +121,36 @@ pub async fn serve<I, H, F, B>(
     }
 }
 
+/// What a connection waits for.
+enum Wait {
+    /// Its first request, by this deadline.
+    First(tokio::time::Instant),
+    /// Its next request (it is parked), for as long as a connection may idle.
+    Next,
+}
+
 /// Parks `io` until bytes arrive and returns them; `None` when the connection is over (closed
-/// by the client, idle too long, or the listener closing), after closing it. `kept`: after a
-/// request (counted as parked), not before the first.
+/// by the client, idle too long, or the listener closing), after closing it.
 async fn wait<I>(
     io: &mut I,
     http: &Http,
     closing: &CancellationToken,
     peer: &(dyn Display + Sync),
-    kept: bool,
+    what: Wait,
 ) -> Option<Bytes>
 where
     I: AsyncRead + AsyncWrite + Unpin,
 {
-    let _parked = kept.then(|| crate::metrics::GaugeGuard::up(http.parked.clone()));
+    let (deadline, _parked) = match what {
+        Wait::First(deadline) => (deadline, None),
+        Wait::Next => (
+            tokio::time::Instant::now() + http.idle,
+            Some(crate::metrics::GaugeGuard::up(http.parked.clone())),
+        ),
+    };
     let read = tokio::select! {
         _ = closing.cancelled() => None,
-        read = tokio::time::timeout(http.idle, first_bytes(io)) => Some(read),
+        read = tokio::time::timeout_at(deadline, first_bytes(io)) => Some(read),
     };
     match read {
         Some(Ok(Ok(bytes))) if !bytes.is_empty() => return Some(bytes),
