@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// How long a driver may take on a loaded two-core machine (ten agents start ten MCP servers),
 /// and how long the test waits for its requests to queue up.
@@ -217,21 +217,19 @@ fn json_text(r: &Value) -> Value {
 /// `wait_until`; nothing asserted depends on its timing.
 async fn wait_queued(api: &RecordingUpstream, proxy: &ProxyProcess, n: usize) {
     let admin = format!("http://{}", proxy.admin_addr.expect("an admin listener"));
-    let deadline = Instant::now() + SLOW;
-    loop {
+    eventually_within(SLOW, || async {
         let (held, waiting) = (
             api.held(),
             metric(&admin, "idemproxy_waiting").await as usize,
         );
-        if held + waiting >= n {
-            return;
+        match held + waiting >= n {
+            true => Ok(()),
+            false => Err(format!(
+                "{held} requests held at the fake and {waiting} waiting at the proxy, not {n}"
+            )),
         }
-        assert!(
-            Instant::now() < deadline,
-            "{held} requests held at the fake and {waiting} waiting at the proxy after {SLOW:?}, not {n}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    })
+    .await
 }
 
 /// Lets ten held writes through one at a time, each once it has arrived: with the proxy

@@ -226,11 +226,13 @@ async fn a_parked_connection_carries_the_next_request() {
     let (mut s, mut rest) = after_a_get(&proxy).await;
     // Read on connections of their own, closed after each answer (never parked themselves).
     let admin = proxy.admin_addr.expect("an admin listener");
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while parked(admin).await == 0 {
-        assert!(tokio::time::Instant::now() < deadline, "never parked");
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    eventually(|| async {
+        match parked(admin).await {
+            0 => Err("the connection was never parked".to_owned()),
+            _ => Ok(()),
+        }
+    })
+    .await;
     assert_eq!(parked(admin).await, 1);
     for replayed in [false, true] {
         s.write_all(post("after-park", "{}").as_bytes())

@@ -376,12 +376,13 @@ async fn sighup_reloads_the_running_binary() {
         .unwrap();
     assert!(status.success());
     let admin = proxy.admin_url("");
-    let mut reloaded = false;
-    let until = std::time::Instant::now() + WAIT;
-    while !reloaded && std::time::Instant::now() < until {
-        reloaded = reloads(&admin, "ok").await == 1;
-    }
-    assert!(reloaded, "{}", proxy.stderr());
+    eventually(|| async {
+        match reloads(&admin, "ok").await {
+            1 => Ok(()),
+            _ => Err(format!("no reload: {}", proxy.stderr())),
+        }
+    })
+    .await;
     let dup = post_json(&url, Some("k-1"), &charge(), &[]).await;
     dup.assert_status(200);
     assert_eq!(dup.header("idemproxy-observed"), Some("replay"));

@@ -8,7 +8,6 @@ use common::*;
 
 use serde_json::{json, Value};
 use std::process::Output;
-use std::time::Instant;
 
 /// `[server]` (plus `server_extra`), `store` (a `[store]` table or nothing), `[upstreams.api]`
 /// at `/api`, then `routes`.
@@ -37,19 +36,14 @@ async fn admin_json(proxy: &TestProxy, path: &str) -> Value {
 /// Polls `/admin/entities/{entity}` until its history has `n` rows (the audit trail is written
 /// in batches, off the request path); returns the report.
 async fn history_of(proxy: &TestProxy, entity: &str, n: usize) -> Value {
-    let deadline = Instant::now() + WAIT;
-    loop {
+    eventually(|| async {
         let report = admin_json(proxy, &format!("/admin/entities/{entity}")).await;
-        let rows = report["history"].as_array().map_or(0, Vec::len);
-        if rows == n {
-            return report;
+        match report["history"].as_array().map_or(0, Vec::len) {
+            rows if rows == n => Ok(report),
+            _ => Err(format!("not {n} audit rows of {entity}: {report}")),
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out waiting for {n} audit rows of {entity}: {report}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    })
+    .await
 }
 
 /// The `decision` of each audit row, in the order given (newest first).
@@ -327,19 +321,17 @@ async fn retention_expires_keys_and_audit_rows_unless_the_route_keeps_them() {
 
     // The purge removes both keys of the store-wide retention, then their audit rows. The
     // keys expire a few milliseconds apart, so a purge may take one before the other.
-    let deadline = Instant::now() + WAIT;
     for key in ["s-1", "f-1"] {
-        while get(&proxy.admin_url(&format!("/admin/keys/{key}")))
-            .await
-            .status
-            != 404
-        {
-            assert!(
-                Instant::now() < deadline,
-                "key {key} outlived its retention"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+        eventually(|| async {
+            match get(&proxy.admin_url(&format!("/admin/keys/{key}")))
+                .await
+                .status
+            {
+                404 => Ok(()),
+                _ => Err(format!("key {key} outlived its retention")),
+            }
+        })
+        .await;
     }
     history_of(&proxy, "item:x", 0).await;
     history_of(&proxy, "item:z", 0).await;

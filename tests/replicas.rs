@@ -6,7 +6,7 @@ mod common;
 use common::pg::PgServer;
 use common::*;
 use serde_json::json;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Two routes: one with an entity, one keyed only by a derived key (no entity lock at all,
 /// so the reservation alone must keep replicas from forwarding twice).
@@ -102,21 +102,17 @@ async fn metric(p: &ProxyProcess, name: &str) -> u64 {
 
 /// Waits until `n` requests wait inside the replicas (on a key or an entity).
 async fn wait_for_waiting(ps: &[ProxyProcess], n: u64) {
-    let deadline = Instant::now() + WAIT;
-    loop {
+    eventually(|| async {
         let mut sum = 0;
         for p in ps {
             sum += metric(p, "idemproxy_waiting").await;
         }
-        if sum >= n {
-            return;
+        match sum >= n {
+            true => Ok(()),
+            false => Err(format!("{sum} of {n} requests waiting in the replicas")),
         }
-        assert!(
-            Instant::now() < deadline,
-            "timed out: {sum} of {n} requests waiting in the replicas"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    })
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -357,14 +353,13 @@ async fn postgres_stopped_fails_closed_then_recovers_without_a_restart() {
     get(&p.admin_url("/readyz")).await.assert_status(503);
 
     pg.restart();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while get(&p.admin_url("/readyz")).await.status != 200 {
-        assert!(
-            Instant::now() < deadline,
-            "the proxy did not recover after PostgreSQL came back"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually_within(Duration::from_secs(30), || async {
+        match get(&p.admin_url("/readyz")).await.status {
+            200 => Ok(()),
+            _ => Err("the proxy did not recover after PostgreSQL came back".to_owned()),
+        }
+    })
+    .await;
     let r = post_json(
         &p.url("/api/charges"),
         Some("back-1"),
@@ -581,19 +576,15 @@ async fn a_release_on_one_replica_reaches_every_replay_cache() {
     // The other replica learns of it by NOTIFY; wait for that, then its retry is forwarded.
     // The bound stays under the cache's own refresh (idemproxy::store::cached::FRESH_FOR_MS), so only
     // the notification can make this pass.
-    let deadline = Instant::now()
-        + Duration::from_millis(idemproxy::store::cached::FRESH_FOR_MS as u64 - 1_000);
-    loop {
+    let bound = Duration::from_millis(idemproxy::store::cached::FRESH_FOR_MS as u64 - 1_000);
+    eventually_within(bound, || async {
         let r = post_json(&ps[1].url("/api/charges"), Some("rel-1"), &body, &[]).await;
-        if r.replayed() == Some(false) {
-            break;
+        match r.replayed() {
+            Some(false) => Ok(()),
+            _ => Err("replica 1 kept replaying a released key".to_owned()),
         }
-        assert!(
-            Instant::now() < deadline,
-            "replica 1 kept replaying a released key"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    })
+    .await;
     assert_eq!(
         upstream.count(),
         2,

@@ -10,7 +10,6 @@ use common::*;
 
 use common::pg::PgServer;
 use serde_json::{json, Value};
-use std::time::Instant;
 
 /// Writes 1, 2, 4, 5 and 6 are taken and their connection dropped (unknown outcomes); the
 /// others are answered.
@@ -52,21 +51,17 @@ async fn keys(proxy: &TestProxy, args: &[&str]) -> (bool, String) {
 
 /// Polls the key's audit trail until a row with `decision` shows; returns it.
 async fn audit_row(proxy: &TestProxy, key: &str, decision: &str) -> Value {
-    let deadline = Instant::now() + WAIT;
-    loop {
+    eventually(|| async {
         let report = get(&proxy.admin_url(&format!("/admin/keys/{key}")))
             .await
             .json();
         let rows = report["attempts"].as_array().cloned().unwrap_or_default();
-        if let Some(row) = rows.into_iter().find(|r| r["decision"] == decision) {
-            return row;
+        match rows.into_iter().find(|r| r["decision"] == decision) {
+            Some(row) => Ok(row),
+            None => Err(format!("no {decision} row for {key}: {report}")),
         }
-        assert!(
-            Instant::now() < deadline,
-            "no {decision} row for {key}: {report}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    })
+    .await
 }
 
 async fn settles_by_hand(store: &str) {

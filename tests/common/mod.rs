@@ -63,6 +63,36 @@ pub async fn metric(admin: &str, series: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Polls the async `probe` until it gives `Ok`, and returns its value; once [`WAIT`] has
+/// passed, panics with the last `Err` it gave (what was seen instead). For conditions with no
+/// notification to await (a gauge, an audit row written off the request path): a bounded wait
+/// for a condition, never a sleep used as synchronisation.
+pub async fn eventually<T, F, Fut>(probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    eventually_within(WAIT, probe).await
+}
+
+/// [`eventually`] with another bound (a cluster's restart, a slow client).
+pub async fn eventually_within<T, F, Fut>(timeout: Duration, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, String>>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        match probe().await {
+            Ok(value) => return value,
+            Err(seen) if Instant::now() >= deadline => {
+                panic!("timed out after {timeout:?}: {seen}")
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
+    }
+}
+
 /// Polls `cond` until it holds, panicking with `what` once `timeout` has passed.
 ///
 /// For conditions with no notification to await (a proxy gauge, a file appearing). This is a
