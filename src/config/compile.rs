@@ -198,7 +198,7 @@ fn upstreams(
         if uri.query().is_some() {
             cx.err(u.url.span(), "upstream url must not have a query");
         }
-        let (authority, url_credentials) = split_credentials(authority);
+        let (authority, url_credentials) = super::units::split_credentials(authority);
         let prefix = u.prefix.as_ref().and_then(|p| {
             let s = cx.s(p)?;
             let trimmed = s.trim_end_matches('/').to_owned();
@@ -369,34 +369,6 @@ fn upstreams(
         }));
     }
     out
-}
-
-/// Moves `user:password@` out of an upstream authority into a Basic `Authorization` value, so
-/// the password is never sent as part of `Host`, printed by `check` or logged.
-fn split_credentials(
-    authority: http::uri::Authority,
-) -> (http::uri::Authority, Option<http::HeaderValue>) {
-    let Some((userinfo, host)) = authority.as_str().rsplit_once('@') else {
-        return (authority, None);
-    };
-    let Ok(bare) = host.parse::<http::uri::Authority>() else {
-        return (authority, None);
-    };
-    let decode = |s: &str| percent_encoding::percent_decode_str(s).collect::<Vec<u8>>();
-    let (user, pass) = userinfo.split_once(':').unwrap_or((userinfo, ""));
-    let mut plain = decode(user);
-    plain.push(b':');
-    plain.extend(decode(pass));
-    use base64::Engine as _;
-    let value = format!(
-        "Basic {}",
-        base64::engine::general_purpose::STANDARD.encode(&plain)
-    );
-    let mut header = http::HeaderValue::from_str(&value).ok();
-    if let Some(h) = header.as_mut() {
-        h.set_sensitive(true);
-    }
-    (bare, header)
 }
 
 #[cfg(test)]

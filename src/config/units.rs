@@ -1,5 +1,6 @@
-//! Durations, sizes and `${ENV}` expansion: the little languages inside config strings; and
-//! store URLs with their passwords masked, for logs and errors.
+//! Durations, sizes and `${ENV}` expansion: the little languages inside config strings; store
+//! URLs with their passwords masked, for logs and errors; and an upstream URL's credentials
+//! moved into a header.
 
 use std::time::Duration;
 
@@ -171,6 +172,34 @@ pub fn expand_env(s: &str, lookup: &dyn Fn(&str) -> Option<String>) -> Result<St
     }
     out.push_str(rest);
     Ok(out)
+}
+
+/// Moves `user:password@` out of an upstream authority into a Basic `Authorization` value, so
+/// the password is never sent as part of `Host`, printed by `check` or logged.
+pub(super) fn split_credentials(
+    authority: http::uri::Authority,
+) -> (http::uri::Authority, Option<http::HeaderValue>) {
+    let Some((userinfo, host)) = authority.as_str().rsplit_once('@') else {
+        return (authority, None);
+    };
+    let Ok(bare) = host.parse::<http::uri::Authority>() else {
+        return (authority, None);
+    };
+    let decode = |s: &str| percent_encoding::percent_decode_str(s).collect::<Vec<u8>>();
+    let (user, pass) = userinfo.split_once(':').unwrap_or((userinfo, ""));
+    let mut plain = decode(user);
+    plain.push(b':');
+    plain.extend(decode(pass));
+    use base64::Engine as _;
+    let value = format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(&plain)
+    );
+    let mut header = http::HeaderValue::from_str(&value).ok();
+    if let Some(h) = header.as_mut() {
+        h.set_sensitive(true);
+    }
+    (bare, header)
 }
 
 #[cfg(test)]
