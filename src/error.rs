@@ -74,6 +74,42 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    /// Every error type, for tables and for the tests that hold the docs to them.
+    pub const ALL: [ErrorKind; 29] = {
+        use ErrorKind::*;
+        [
+            BadPath,
+            NoRoute,
+            BodyInvalid,
+            BodyTooLarge,
+            KeyMissing,
+            KeyInvalid,
+            EntityMissing,
+            VersionMissing,
+            KeyReused,
+            RequestInProgress,
+            OutcomeUnknown,
+            StaleVersion,
+            EntityClaimed,
+            PrecheckFailed,
+            EntityBusy,
+            StoreUnavailable,
+            UpstreamUnreachable,
+            UpstreamTimeout,
+            BadMethod,
+            EgressHostNotAllowed,
+            ProxyAuthRequired,
+            HeaderInvalid,
+            BodyTimeout,
+            AnswerTooLarge,
+            Internal,
+            Forbidden,
+            Unauthorized,
+            NotFound,
+            NotSettleable,
+        ]
+    };
+
     /// The `type` field of the JSON error and the `Idemproxy-Error` header value.
     pub fn as_str(self) -> &'static str {
         use ErrorKind::*;
