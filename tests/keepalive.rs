@@ -261,3 +261,70 @@ async fn parked(admin: std::net::SocketAddr) -> u64 {
         .and_then(|v| v.trim().parse().ok())
         .expect("the gauge on /metrics")
 }
+
+/// A request with both `Content-Length` and `Transfer-Encoding` (the classic smuggling pair):
+/// hyper reads it chunked and closes the connection after it; so does the proxy, and what
+/// follows the chunked body — a request to a front proxy that counts by `Content-Length` —
+/// never reaches the upstream.
+#[tokio::test]
+async fn a_request_framed_two_ways_is_the_connections_last() {
+    let upstream = RecordingUpstream::start().await;
+    let proxy = start(&upstream).await;
+    let mut s = TcpStream::connect(proxy.main_addr).await.unwrap();
+    s.write_all(
+        b"POST /api/v1/charges HTTP/1.1\r\nHost: x\r\nIdempotency-Key: two-ways\r\n\
+          Content-Type: application/json\r\nContent-Length: 40\r\n\
+          Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n\
+          GET /api/v1/smuggled HTTP/1.1\r\nHost: x\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut rest = Vec::new();
+    let (head, _) = answer(&mut s, &mut rest).await;
+    assert_eq!(connection(&head), Some("close"), "{head}");
+    let after = until_closed(&mut s).await;
+    assert!(
+        rest.is_empty() && after.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&after)
+    );
+    assert_eq!(upstream.count_path("/v1/smuggled"), 0);
+}
+
+/// HTTP/1.0 asking for keep-alive, and an answer of no known length (the upstream's is
+/// chunked): an HTTP/1.0 body can only end by the connection closing, so it closes — the
+/// client is never left waiting for the end of the body.
+#[tokio::test]
+async fn an_http_1_0_answer_of_no_length_ends_with_the_connection() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let at = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut c, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut chunk = [0u8; 1024];
+                while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match c.read(&mut chunk).await {
+                        Ok(n @ 1..) => seen.extend_from_slice(&chunk[..n]),
+                        _ => return,
+                    }
+                }
+                let _ = c
+                    .write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n")
+                    .await;
+            });
+        }
+    });
+    let proxy = TestProxy::start(&format!(
+        "{}[upstreams.api]\nurl = \"http://{at}\"\nprefix = \"/api\"\n",
+        server_section()
+    ))
+    .await;
+    let mut s = TcpStream::connect(proxy.main_addr).await.unwrap();
+    s.write_all(b"GET /api/x HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+        .await
+        .unwrap();
+    let got = String::from_utf8_lossy(&until_closed(&mut s).await).into_owned();
+    assert!(got.starts_with("HTTP/1.0 200"), "{got}");
+    assert!(got.ends_with("hello"), "{got}");
+}

@@ -207,13 +207,15 @@ where
         hyper::service::service_fn(move |req: Request<Incoming>| -> Answer<B> {
             turn.begin();
             let keep = keeps_alive(req.version(), req.headers());
-            let read = turn.read.clone();
-            let answer = handler(req.map(|b| RequestBody::tracked(b, read)));
+            // This request's own flag: an earlier request's body, still alive in an upstream
+            // call, must not vouch for this one.
+            let read = Arc::new(AtomicBool::new(false));
+            let answer = handler(req.map(|b| RequestBody::tracked(b, read.clone())));
             let (turn, closing) = (turn.clone(), closing.clone());
             Box::pin(async move {
                 let mut resp = answer.await;
                 let again = keep
-                    && turn.read.load(Ordering::Acquire)
+                    && read.load(Ordering::Acquire)
                     && !closing.is_cancelled()
                     && resp.status() != StatusCode::SWITCHING_PROTOCOLS
                     && !has_token(resp.headers(), "close");
@@ -232,7 +234,7 @@ where
     // Closing: an idle hyper connection closes at once, a busy one after its answer.
     let cancelled = closing.cancelled();
     tokio::pin!(cancelled);
-    let mut shut = false;
+    let (mut shut, mut turned) = (false, false);
     let served = std::future::poll_fn(|cx| loop {
         if !shut && cancelled.as_mut().poll(cx).is_ready() {
             shut = true;
@@ -241,6 +243,7 @@ where
         let polled = conn.poll_without_shutdown(cx);
         if polled.is_pending() && turn.tell() {
             Pin::new(&mut *conn).graceful_shutdown();
+            turned = !shut;
             continue;
         }
         return polled;
@@ -251,7 +254,9 @@ where
     }
     let parts = conn.into_parts();
     let (mut io, unread) = parts.io.into_inner().into_inner().into_inner();
-    if !turn.again.load(Ordering::Acquire) {
+    // Kept only when it ended by our turn, idle: any close hyper chose itself (a request with
+    // both Content-Length and Transfer-Encoding, an HTTP/1.0 body ended by closing) stands.
+    if !(turned && !shut && turn.again.load(Ordering::Acquire)) {
         close(&mut io).await;
         return None;
     }

@@ -21,8 +21,6 @@ pub const GRACE: Duration = Duration::from_secs(1);
 /// What one exchange has come to.
 #[derive(Default)]
 pub(super) struct Turn {
-    /// The request's body has been read to its end (see [`super::RequestBody`]).
-    pub read: Arc<AtomicBool>,
     /// The answer is out and the connection may carry another request.
     pub again: AtomicBool,
     /// hyper has since asked for more bytes: for the next request's head.
@@ -36,7 +34,6 @@ pub(super) struct Turn {
 impl Turn {
     /// A new request on the connection: nothing decided yet.
     pub fn begin(&self) {
-        self.read.store(false, Ordering::Release);
         self.again.store(false, Ordering::Release);
         self.busy.store(true, Ordering::Relaxed);
     }
