@@ -100,9 +100,11 @@ measure() { # PID PORT KIND LABEL
   # and the allocator hands freed pages back within a second (src/main.rs).
   sleep 4
   after=$(rss "$1")
+  # How many of them idemproxy has parked (nginx has no such gauge).
+  parked=$(curl -s "http://127.0.0.1:$ADMIN/metrics" | awk '/^idemproxy_connections_parked / {print $2}')
   exec {HOLD[1]}>&-
   wait "$HOLD_PID" 2>/dev/null || true
-  python3 -c "print('%-22s %8.1f KiB a connection (RSS %d -> %d KiB)' % ('$4', ($after-$before)/$N, $before, $after))"
+  python3 -c "print('%-22s %8.1f KiB a connection (RSS %d -> %d KiB)%s' % ('$4', ($after-$before)/$N, $before, $after, ', %s parked' % '$parked' if '$4'.startswith('idemproxy') else ''))"
 }
 echo "$N idle keep-alive connections, each after one request:"
 measure "$(fresh)" "$PROXY" get "idemproxy GET"

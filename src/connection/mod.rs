@@ -88,19 +88,9 @@ pub async fn serve<I, H, F, B>(
     B: hyper::body::Body<Data = Bytes> + Send + 'static,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    // One deadline for the first request's first bytes, however thinly they come.
-    let first = tokio::time::Instant::now() + http.idle;
-    let Some(mut next) = wait(&mut io, http, closing, peer, Wait::First(first)).await else {
+    let Some(mut next) = first_bytes_in(&mut io, http, closing, peer).await else {
         return;
     };
-    while next.len() < PREFACE.len() && PREFACE.starts_with(&next) {
-        let Some(more) = wait(&mut io, http, closing, peer, Wait::First(first)).await else {
-            return;
-        };
-        let mut joined = BytesMut::from(&next[..]);
-        joined.extend_from_slice(&more);
-        next = joined.freeze();
-    }
     if next.starts_with(PREFACE) {
         return serve_h2(Rewind::new(next, io), http, handler, closing, peer).await;
     }
@@ -119,6 +109,28 @@ pub async fn serve<I, H, F, B>(
             },
         };
     }
+}
+
+/// The connection's first bytes: enough to tell HTTP/2's preface from HTTP/1, under one
+/// deadline however thinly they come.
+async fn first_bytes_in<I>(
+    io: &mut I,
+    http: &Http,
+    closing: &CancellationToken,
+    peer: &(dyn Display + Sync),
+) -> Option<Bytes>
+where
+    I: AsyncRead + AsyncWrite + Unpin,
+{
+    let first = tokio::time::Instant::now() + http.idle;
+    let mut next = wait(io, http, closing, peer, Wait::First(first)).await?;
+    while next.len() < PREFACE.len() && PREFACE.starts_with(&next) {
+        let more = wait(io, http, closing, peer, Wait::First(first)).await?;
+        let mut joined = BytesMut::from(&next[..]);
+        joined.extend_from_slice(&more);
+        next = joined.freeze();
+    }
+    Some(next)
 }
 
 /// What a connection waits for.
