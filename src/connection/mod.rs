@@ -295,12 +295,17 @@ fn keeps_alive(version: Version, headers: &HeaderMap) -> bool {
 }
 
 fn has_token(headers: &HeaderMap, token: &str) -> bool {
+    connection_tokens(headers).any(|t| t.eq_ignore_ascii_case(token))
+}
+
+/// The tokens of every `Connection` header (`close`, `keep-alive`, header names), trimmed.
+pub fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &str> {
     headers
         .get_all(CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .any(|t| t.trim().eq_ignore_ascii_case(token))
+        .map(str::trim)
 }
 
 /// An HTTP/2 connection, served whole by hyper; closed if it begins no request in time.
