@@ -7,6 +7,7 @@
 
 mod common;
 
+use common::audits::Audits;
 use common::*;
 use serde_json::{json, Value};
 use std::collections::HashMap;
@@ -142,17 +143,27 @@ async fn hubspot(drop_first: bool) -> RecordingUpstream {
         .await
 }
 
-/// Fake Zendesk: a ticket update answers the ticket; a read of the ticket answers it as the
-/// update left it. With `drop_first`, the first update is applied and its answer dropped.
+/// Fake Zendesk: a ticket update answers the ticket and leaves an audit with its metadata; a
+/// read of the ticket answers it as the update left it, a read of its audits lists them. With
+/// `drop_first`, the first update is applied and its answer dropped.
 async fn zendesk(drop_first: bool) -> RecordingUpstream {
+    let audits = Audits::default();
     RecordingUpstream::builder()
         .raw_http1()
         .handler(move |rec, n| {
             let ticket = json!({"id": 42, "status": "solved", "subject": "Printer"});
             match rec.method.as_str() {
-                "GET" => Reply::json(200, &json!({ "ticket": ticket })),
-                _ if drop_first && n == 1 => Reply::drop_connection(),
-                _ => Reply::json(200, &json!({"ticket": ticket, "audit": {"id": n}})),
+                "GET" => match Audits::ticket_of(rec.path()) {
+                    Some(id) => audits.reply(id, rec.query()),
+                    None => Reply::json(200, &json!({ "ticket": ticket })),
+                },
+                _ => {
+                    audits.record(42, &rec.json());
+                    match drop_first && n == 1 {
+                        true => Reply::drop_connection(),
+                        false => Reply::json(200, &json!({"ticket": ticket, "audit": {"id": n}})),
+                    }
+                }
             }
         })
         .start()
@@ -260,8 +271,8 @@ async fn n8n_built_in_nodes_write_once_through_the_egress_listener() {
     );
 }
 
-/// Every API applies the write and its answer is dropped. Zendesk's is reconciled by reading
-/// the ticket (no second update); HubSpot's upsert, applied idempotently, is sent again when
+/// Every API applies the write and its answer is dropped. Zendesk's is reconciled by the
+/// stamp among the ticket's audits, then answered with the ticket (no second update); HubSpot's upsert, applied idempotently, is sent again when
 /// the node retries (`resend_unknown`: one contact); Stripe's create is sent again with the
 /// same key, which Stripe answers with the first customer. The run finishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -279,7 +290,11 @@ async fn answers_dropped_after_each_write_settle_and_the_run_finishes() {
         1,
         "the ticket update was reconciled, not sent again"
     );
-    assert_eq!(zd.count_method("GET"), 1, "one reconcile read");
+    assert_eq!(
+        zd.count_method("GET"),
+        2,
+        "one reconcile read of the audits, one of the ticket for the answer"
+    );
     assert_eq!(
         hs.count_method("POST"),
         2,

@@ -203,6 +203,9 @@ pub fn explain(
                 false => format!(", expecting {}", expect.join(", ")),
             }
         );
+        if let Some(answer) = &read.answer_path {
+            let _ = writeln!(w, "             found: answered with GET {answer}");
+        }
     }
     if let Some(native) = &upstream.native_idempotency_header {
         let _ = writeln!(w, "native:      sends {native}: {}", p.key);

@@ -305,6 +305,17 @@ fn derive_lists_windows_and_stamps() {
     assert!(first_error(&stray).contains("cannot use {stamp}"));
     let unstamped = route("reconcile = { path = \"/t?e={stamp}\" }");
     assert!(first_error(&unstamped).contains("cannot use {stamp}"));
+    // An update stamped into its audit's metadata: found by the stamp among the audits,
+    // answered with a second read.
+    let audits = compile_str(&route(
+        "stamp = \"body.ticket.metadata.custom.s\"\nreconcile = { path = \"/t/audits\", expect = { \"body.audits[*].metadata.custom.s\" = \"{stamp}\" }, answer_path = \"/t/{body.id}\" }",
+    ))
+    .unwrap();
+    let rc = audits.routes[0].reconcile.as_ref().unwrap();
+    assert!(rc.uses_stamp() && rc.reads_body() && rc.answer_path.is_some());
+    let expect_unstamped =
+        route("reconcile = { path = \"/t\", expect = { \"body.a\" = \"{stamp}\" } }");
+    assert!(first_error(&expect_unstamped).contains("cannot use {stamp}"));
     assert!(first_error(&route("stamp = \"body.a[*].b\"")).contains("not [*]"));
     assert!(first_error(&route("stamp = \"header.x\"")).contains("a body field"));
     let answer = route("reconcile = { path = \"/t\", answer = { a = \"{reads}\" } }");

@@ -157,5 +157,6 @@ pub struct RawReconcile {
     #[serde(default)]
     pub expect: BTreeMap<String, Spanned<toml::Value>>,
     pub answer: Option<Spanned<toml::Value>>,
+    pub answer_path: Option<Str>,
     pub unless: Option<Vec<Str>>,
 }

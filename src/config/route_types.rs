@@ -89,6 +89,10 @@ pub struct Reconcile {
     /// which a string `"{read}"` is the read's body and `"{read.X}"` its field `X`. A field
     /// the read lacks counts as `not_found` (an empty list found nothing).
     pub answer: Option<serde_json::Value>,
+    /// A second read, sent once the first found the write, whose body is the answer (shaped
+    /// by `answer` when set): the read that can tell (a ticket's audits, by the stamp the
+    /// update carried) is not the object the write answers with (the ticket).
+    pub answer_path: Option<Template>,
     /// Body fields that, when a request has one, leave its lost answer unreconciled (it stays
     /// unknown): a ticket update that adds a comment is not "found" by reading the ticket,
     /// and sending it again would add the comment twice.
@@ -212,7 +216,15 @@ impl Route {
             "optional"
         };
         let mut reconcile = match &self.reconcile {
-            Some(rc) => format!(" reconcile={} {}", rc.method, rc.path.text()),
+            Some(rc) => match &rc.answer_path {
+                Some(a) => format!(
+                    " reconcile={} {} then {}",
+                    rc.method,
+                    rc.path.text(),
+                    a.text()
+                ),
+                None => format!(" reconcile={} {}", rc.method, rc.path.text()),
+            },
             None => String::new(),
         };
         if let Some(rc) = self.reconcile.as_ref().filter(|rc| !rc.unless.is_empty()) {

@@ -67,32 +67,33 @@ pub(super) fn route(
     let captures: Vec<String> = path.captures().map(str::to_owned).collect();
 
     // Every template is checked against what this route can provide.
-    let mut check = |cx: &mut Compiler,
-                     field: &str,
-                     v: &Str,
-                     allow_entity: bool,
-                     allow_fp: bool| {
-        let t = cx.template(v)?;
-        for src in t.sources() {
-            let problem = match src {
-                Source::Path(n) if !captures.contains(n) => Some(format!(
-                    "{{path.{n}}}: the route path {path_text:?} does not capture {n:?}"
-                )),
-                Source::Entity if !allow_entity => Some(format!("{field} cannot use {{entity}}")),
-                Source::Fingerprint if !allow_fp => {
-                    Some(format!("{field} cannot use {{fingerprint}}"))
+    let mut check =
+        |cx: &mut Compiler, field: &str, v: &Str, allow_entity: bool, allow_fp: bool| {
+            let t = cx.template(v)?;
+            for src in t.sources() {
+                let problem = match src {
+                    Source::Path(n) if !captures.contains(n) => Some(format!(
+                        "{{path.{n}}}: the route path {path_text:?} does not capture {n:?}"
+                    )),
+                    Source::Entity if !allow_entity => {
+                        Some(format!("{field} cannot use {{entity}}"))
+                    }
+                    Source::Fingerprint if !allow_fp => {
+                        Some(format!("{field} cannot use {{fingerprint}}"))
+                    }
+                    Source::Stamp if !field.starts_with("reconcile.") || r.stamp.is_none() => {
+                        Some(format!(
+                        "{field} cannot use {{stamp}}: only a reconcile can, on a route with stamp"
+                    ))
+                    }
+                    _ => None,
+                };
+                if let Some(p) = problem {
+                    cx.err(v.span(), format!("route {name:?}: {p}"));
                 }
-                Source::Stamp if field != "reconcile.path" || r.stamp.is_none() => Some(format!(
-                    "{field} cannot use {{stamp}}: only reconcile.path can, on a route with stamp"
-                )),
-                _ => None,
-            };
-            if let Some(p) = problem {
-                cx.err(v.span(), format!("route {name:?}: {p}"));
             }
-        }
-        Some(t)
-    };
+            Some(t)
+        };
     let entity = r
         .entity
         .as_ref()

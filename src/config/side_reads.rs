@@ -124,6 +124,10 @@ pub(super) fn reconcile(
         after: reconcile_after(cx, name, &r.after),
         expect,
         answer: r.answer.as_ref().and_then(|a| answer(cx, name, a)),
+        answer_path: r
+            .answer_path
+            .as_ref()
+            .and_then(|p| check(cx, "reconcile.answer_path", p, true, false)),
         unless: r
             .unless
             .iter()
@@ -200,10 +204,23 @@ impl Reconcile {
         let body = |s: &Source| matches!(s, Source::Body(_));
         !self.unless.is_empty()
             || self.path.uses(body)
+            || self.answer_path.as_ref().is_some_and(|t| t.uses(body))
             || self.expect.iter().any(|(_, e)| match e {
                 Expected::Template(t) => t.uses(body),
                 Expected::Field { .. } => true,
                 Expected::Value(_) => false,
+            })
+    }
+
+    /// Whether a read or an expectation names `{stamp}`: a request that carries its caller's
+    /// own value in the stamp's field cannot be found by the stamp, and is not reconciled.
+    pub fn uses_stamp(&self) -> bool {
+        let stamp = |s: &Source| *s == Source::Stamp;
+        self.path.uses(stamp)
+            || self.answer_path.as_ref().is_some_and(|t| t.uses(stamp))
+            || self.expect.iter().any(|(_, e)| match e {
+                Expected::Template(t) => t.uses(stamp),
+                _ => false,
             })
     }
 }

@@ -8,7 +8,7 @@ use crate::config::{Expected, Reconcile, Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::key;
 use crate::rules::body::{self, BodyKind};
-use crate::rules::template::{RequestView, Source};
+use crate::rules::template::RequestView;
 use crate::store::ScopedKey;
 use bytes::Bytes;
 use http::{HeaderMap, Method};
@@ -59,6 +59,8 @@ pub struct Prepared {
 pub struct ReconcileRead {
     pub path: String,
     pub expect: Vec<Value>,
+    /// The read whose body answers a found write (`reconcile.answer_path`).
+    pub answer_path: Option<String>,
 }
 
 /// What to do with a mutating request, decided before its body is read.
@@ -278,22 +280,19 @@ pub fn prepare(
     };
     // A read names one object: a batch of several (`{body.inputs[*].id}` with two ids) is
     // not reconciled, as one object found says nothing of the others.
-    // A field of `unless` in the body (a comment on a ticket update): not reconciled.
-    let excluded = |rc: &Reconcile| {
-        parsed.as_ref().is_some_and(|b| {
-            rc.unless
-                .iter()
-                .any(|p| p.values(b).iter().any(|v| !v.is_null()))
-        })
+    // A field of `unless` in the body: not reconciled.
+    let present = |p: &crate::rules::body::BodyPath| {
+        parsed
+            .as_ref()
+            .is_some_and(|b| p.values(b).iter().any(|v| !v.is_null()))
     };
+    let excluded = |rc: &Reconcile| rc.unless.iter().any(present);
     let reconcile = match &route.reconcile {
         Some(rc) if excluded(rc) => None,
-        Some(rc) if stamped || !rc.path.uses(|s| *s == Source::Stamp) => {
-            match rc.path.eval(&view).map(|v| v.len()) {
-                Ok(n) if n > 1 => None,
-                _ => Some(reconcile_read(rc, &view, &key)?),
-            }
-        }
+        Some(rc) if stamped || !rc.uses_stamp() => match rc.path.eval(&view).map(|v| v.len()) {
+            Ok(n) if n > 1 => None,
+            _ => Some(reconcile_read(rc, &view, &key)?),
+        },
         _ => None,
     };
     let id = ScopedKey::new(
@@ -388,5 +387,13 @@ fn reconcile_read(rc: &Reconcile, view: &RequestView<'_>, key: &str) -> ProxyRes
             }),
         })
         .collect::<ProxyResult<_>>()?;
-    Ok(ReconcileRead { path, expect })
+    let answer_path = match &rc.answer_path {
+        Some(t) => Some(side_read::eval_path(t, view, "reconcile answer", key)?),
+        None => None,
+    };
+    Ok(ReconcileRead {
+        path,
+        expect,
+        answer_path,
+    })
 }

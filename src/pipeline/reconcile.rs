@@ -10,12 +10,12 @@
 //! decides, it stores nothing.
 
 use super::forward::renewing;
-use super::prepare::ReconcileRead;
 use super::{side_read, Ctx};
 use crate::config::{Mode, Reconcile};
 use crate::error::ProxyError;
 use crate::rules::template::STAMP_MARK;
 use crate::store::{now_ms, KeyRecord, KeyState, StoredResponse, RECONCILED};
+use serde_json::Value;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -100,35 +100,60 @@ fn due(rec: &KeyRecord, after: Duration, timeout: Duration, now: i64) -> Due {
     }
 }
 
-/// Waits, sends the read, judges the answer; audited and counted.
+/// Waits, sends the read, judges the answer (and reads the answer, with `answer_path`);
+/// audited and counted.
 pub(super) async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
     let (Some(rc), Some(read)) = (&ctx.route.reconcile, &ctx.prepared.reconcile) else {
         return Verdict::Failed("the route has no reconcile".into());
     };
     let started = Instant::now();
     // `{stamp}` is known once the key is ours: this action's stamp.
-    let path = match ctx.prepared.stamped && read.path.contains(STAMP_MARK) {
-        true => read.path.replace(STAMP_MARK, &ctx.stamp()),
-        false => read.path.clone(),
+    let stamp = ctx.prepared.stamped.then(|| ctx.stamp());
+    let stamped = |text: &str| match &stamp {
+        Some(s) if text.contains(STAMP_MARK) => text.replace(STAMP_MARK, s),
+        _ => text.to_owned(),
+    };
+    let path = stamped(&read.path);
+    let expect: Vec<Value> = read
+        .expect
+        .iter()
+        .map(|v| match v {
+            Value::String(s) => Value::String(stamped(s)),
+            other => other.clone(),
+        })
+        .collect();
+    let send = |path: String| async move {
+        let headers = &ctx.outgoing.headers;
+        side_read::read(&ctx.client, &rc.method, &path, headers, "reconcile").await
     };
     let work = async {
         tokio::time::sleep(wait).await;
-        let method = &rc.method;
-        side_read::read(
-            &ctx.client,
-            method,
-            &path,
-            &ctx.outgoing.headers,
-            "reconcile",
-        )
-        .await
+        let first = match send(path.clone()).await {
+            Ok(first) => first,
+            Err(e) => return (None, Verdict::Failed(e.message)),
+        };
+        let status = Some(first.status);
+        let found = match judge(rc, &expect, first) {
+            Judged::Found(found) => found,
+            Judged::NotFound => return (status, Verdict::NotFound),
+            Judged::Failed(why) => return (status, Verdict::Failed(why)),
+        };
+        let Some(answer_path) = &read.answer_path else {
+            let verdict = answer(rc, found).map_or(Verdict::NotFound, Verdict::Found);
+            return (status, verdict);
+        };
+        // The write happened; what cannot be read now leaves the key unknown, to ask again.
+        let verdict = match send(stamped(answer_path)).await {
+            Ok(a) if (200..300).contains(&a.status) => match answer(rc, a) {
+                Some(a) => Verdict::Found(a),
+                None => Verdict::Failed(format!("the write was found; its answer read {answer_path} lacks a field `answer` names")),
+            },
+            Ok(a) => Verdict::Failed(format!("the write was found; its answer read {answer_path} was answered {}", a.status)),
+            Err(e) => Verdict::Failed(format!("the write was found; {}", e.message)),
+        };
+        (status, verdict)
     };
-    let answer = renewing(ctx, work).await;
-    let status = answer.as_ref().ok().map(|a| a.status);
-    let verdict = match answer {
-        Ok(answer) => judge(rc, read, answer),
-        Err(e) => Verdict::Failed(e.message),
-    };
+    let (status, verdict) = renewing(ctx, work).await;
     let took = started.elapsed().saturating_sub(wait);
     ctx.state
         .stats
@@ -143,34 +168,44 @@ pub(super) async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
     verdict
 }
 
+/// What the reconcile read says on its own.
+enum Judged {
+    Found(StoredResponse),
+    NotFound,
+    Failed(String),
+}
+
 /// SPEC's table: a `found` status whose expectations do not all hold counts as `not_found`.
-fn judge(rc: &Reconcile, read: &ReconcileRead, mut answer: StoredResponse) -> Verdict {
+fn judge(rc: &Reconcile, expect: &[Value], answer: StoredResponse) -> Judged {
     if rc.found.contains(&answer.status) {
         let fields = rc.expect.iter().map(|(f, _)| f);
-        if !side_read::holds(&answer.body, fields.zip(read.expect.iter())).0 {
-            return Verdict::NotFound;
-        }
-        if let Some(shape) = &rc.answer {
-            // A field the shape names and the read lacks: nothing was found.
-            let body = serde_json::from_slice(&answer.body).ok();
-            let Some(body) = body.and_then(|b| crate::rules::shape::fill(shape, &b)) else {
-                return Verdict::NotFound;
-            };
-            answer.body = bytes::Bytes::from(body.to_string());
-            answer
-                .headers
-                .retain(|(n, _)| !n.eq_ignore_ascii_case("content-length"));
-        }
-        answer.status = rc.answer_status.unwrap_or(answer.status);
-        answer
-            .headers
-            .push((RECONCILED.into(), bytes::Bytes::from_static(b"1")));
-        return Verdict::Found(Arc::new(answer));
+        return match side_read::holds(&answer.body, fields.zip(expect)).0 {
+            true => Judged::Found(answer),
+            false => Judged::NotFound,
+        };
     }
     if rc.not_found.contains(&answer.status) {
-        return Verdict::NotFound;
+        return Judged::NotFound;
     }
-    Verdict::Failed(format!("it was answered {}", answer.status))
+    Judged::Failed(format!("it was answered {}", answer.status))
+}
+
+/// A found write's answer: shaped by `answer` (`None` when the read lacks a field the shape
+/// names), with `answer_status`, marked reconciled.
+fn answer(rc: &Reconcile, mut answer: StoredResponse) -> Option<Arc<StoredResponse>> {
+    if let Some(shape) = &rc.answer {
+        let body = serde_json::from_slice(&answer.body).ok();
+        let body = body.and_then(|b| crate::rules::shape::fill(shape, &b))?;
+        answer.body = bytes::Bytes::from(body.to_string());
+        answer
+            .headers
+            .retain(|(n, _)| !n.eq_ignore_ascii_case("content-length"));
+    }
+    answer.status = rc.answer_status.unwrap_or(answer.status);
+    answer
+        .headers
+        .push((RECONCILED.into(), bytes::Bytes::from_static(b"1")));
+    Some(Arc::new(answer))
 }
 
 pub(super) fn unknown(why: &str) -> ProxyError {

@@ -86,6 +86,8 @@ pub(super) async fn read(
 }
 
 /// Whether the answer's JSON body holds every expected value, and what it held at each field.
+/// A field through `[*]` holds when any of its values does (`audits[*].metadata.custom.x`:
+/// one of the ticket's audits carries the stamp).
 pub(super) fn holds<'a>(
     body: &[u8],
     expect: impl Iterator<Item = (&'a BodyPath, &'a Value)>,
@@ -94,10 +96,10 @@ pub(super) fn holds<'a>(
     let mut seen = serde_json::Map::new();
     let mut ok = true;
     for (field, expected) in expect {
-        let value = json
-            .as_ref()
-            .and_then(|j| field.values(j).into_iter().next().cloned());
-        ok &= value.as_ref().is_some_and(|v| same(v, expected));
+        let values = json.as_ref().map(|j| field.values(j)).unwrap_or_default();
+        let matching = values.iter().find(|v| same(v, expected));
+        ok &= matching.is_some();
+        let value = matching.or(values.first()).map(|v| (*v).clone());
         seen.insert(format!("body.{field}"), value.unwrap_or(Value::Null));
     }
     (ok, seen)
@@ -162,5 +164,18 @@ mod tests {
         assert!(!ok);
         assert_eq!(seen["body.properties.firstname"], Value::Null);
         assert!(!holds(b"not json", [(&path, &want)].into_iter()).0);
+    }
+
+    #[test]
+    fn a_field_through_a_list_holds_when_any_element_does() {
+        let path = BodyPath::parse("audits[*].metadata.custom.stamp").unwrap();
+        let want = json!("idem-2");
+        let body = br#"{"audits":[{"metadata":{"custom":{}}},{"metadata":{"custom":{"stamp":"idem-1"}}},{"metadata":{"custom":{"stamp":"idem-2"}}}]}"#;
+        let (ok, seen) = holds(body, [(&path, &want)].into_iter());
+        assert!(ok);
+        assert_eq!(seen["body.audits[*].metadata.custom.stamp"], want);
+        let none = br#"{"audits":[{"metadata":{"custom":{"stamp":"idem-1"}}}]}"#;
+        assert!(!holds(none, [(&path, &want)].into_iter()).0);
+        assert!(!holds(br#"{"audits":[]}"#, [(&path, &want)].into_iter()).0);
     }
 }

@@ -1,6 +1,7 @@
 //! mcp-zendesk through the shipped config, against a fake Zendesk.
 
 use super::*;
+use common::audits::Audits;
 
 /// The fake Zendesk's tickets. Ticket 7 exists from the start.
 #[derive(Default)]
@@ -10,6 +11,8 @@ struct Desk {
     hold: bool,
     /// The subjects whose one lost answer was lost already.
     lost: HashSet<String>,
+    /// One per applied update, with its metadata (the proxy's stamp).
+    audits: Audits,
 }
 
 /// `/api/v2/tickets/{id}.json` → `id`.
@@ -23,7 +26,8 @@ fn ticket_in(path: &str) -> Option<u64> {
 /// A fake Zendesk for the calls mcp-zendesk makes, with the list by `external_id` the proxy's
 /// reconcile reads. A ticket with the subject "Lost answer" is created and its answer lost;
 /// one with "Vanished" is lost before it is created; one with "Rate limited" is refused 429
-/// (each once).
+/// (each once). A comment "Lost comment" is added and its answer lost; "Vanished comment" is
+/// lost before it is added (each once).
 async fn fake_zendesk() -> (RecordingUpstream, Arc<Mutex<Desk>>) {
     let state = Arc::new(Mutex::new(Desk {
         tickets: vec![json!({
@@ -84,12 +88,21 @@ async fn fake_zendesk() -> (RecordingUpstream, Arc<Mutex<Desk>>) {
                         "tickets": tickets, "count": tickets.len(), "next_page": null, "previous_page": null,
                     }))
                 }
+                ("GET", p) if Audits::ticket_of(p).is_some() => {
+                    s.audits.reply(Audits::ticket_of(p).unwrap_or_default(), rec.query())
+                }
                 ("GET", p) => match s.tickets.iter().find(|t| Some(t["id"].clone()) == ticket_in(p).map(Value::from)) {
                     Some(t) => Reply::json(200, &json!({"ticket": t})),
                     None => not_found,
                 },
                 ("PUT", p) => {
                     let held = s.hold;
+                    let comment = body["ticket"]["comment"]["body"].as_str().unwrap_or_default().to_owned();
+                    if comment == "Vanished comment" && s.lost.insert(comment.clone()) {
+                        return Reply::drop_connection();
+                    }
+                    let lost = comment == "Lost comment" && s.lost.insert(comment);
+                    let audits = s.audits.clone();
                     let Some(t) = s.tickets.iter_mut().find(|t| Some(t["id"].clone()) == ticket_in(p).map(Value::from)) else {
                         return not_found;
                     };
@@ -101,6 +114,10 @@ async fn fake_zendesk() -> (RecordingUpstream, Arc<Mutex<Desk>>) {
                     }
                     if let (Some(comments), Some(c)) = (t["comments"].as_array_mut(), update.get("comment")) {
                         comments.push(c.clone());
+                    }
+                    audits.record(t["id"].as_u64().unwrap_or_default(), &body);
+                    if lost {
+                        return Reply::drop_connection();
                     }
                     hold(Reply::json(200, &json!({"ticket": t})), held)
                 }
@@ -125,6 +142,16 @@ fn created_ticket(r: &Value) -> u64 {
         .and_then(|t| t.split(',').next())
         .and_then(|id| id.parse().ok())
         .unwrap_or_else(|| panic!("no ticket created: {r}"))
+}
+
+/// How many of ticket 7's comments say `body`.
+fn comments_saying(desk: &Arc<Mutex<Desk>>, body: &str) -> usize {
+    lock(desk).tickets[0]["comments"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|c| c["body"] == body)
+        .count()
 }
 
 fn tickets_titled(desk: &Arc<Mutex<Desk>>, subject: &str) -> Vec<Value> {
@@ -179,6 +206,9 @@ async fn zendesk_mcp_server_through_the_shipped_config() {
     }});
     let comment = json!({"tool": "add_ticket_comment", "args": {"ticket_id": 7, "comment": "Refund approved"}});
     let get = json!({"tool": "get_ticket", "args": {"ticket_id": 7}});
+    let lost_comment =
+        json!({"tool": "add_ticket_comment", "args": {"ticket_id": 7, "comment": "Lost comment"}});
+    let vanished_comment = json!({"tool": "add_ticket_comment", "args": {"ticket_id": 7, "comment": "Vanished comment"}});
     let out = agent
         .run(json!([
             // 0: Zendesk is up: the same call goes through, once.
@@ -202,6 +232,12 @@ async fn zendesk_mcp_server_through_the_shipped_config() {
             // 13-14: Zendesk is rate limited (429) at the first call.
             create_ticket("Rate limited"),
             create_ticket("Rate limited"),
+            // 15-16: Zendesk adds the comment, and the answer is lost.
+            lost_comment.clone(),
+            lost_comment,
+            // 17-18: the comment is lost before Zendesk added it.
+            vanished_comment.clone(),
+            vanished_comment,
         ]))
         .await;
 
@@ -306,6 +342,36 @@ async fn zendesk_mcp_server_through_the_shipped_config() {
     created_ticket(&out[14]);
     assert_eq!(tickets_titled(&desk, "Rate limited").len(), 1, "one ticket");
     assert_eq!(sent(&api, TICKETS, "Rate limited").len(), 2);
+
+    // A comment added and its answer lost: the proxy finds its stamp among ticket 7's audits
+    // and answers both calls with the ticket. One comment.
+    for r in &out[15..=16] {
+        assert_eq!(
+            text(r),
+            "Added public comment to ticket 7 successfully!",
+            "{out:?}"
+        );
+    }
+    assert_eq!(comments_saying(&desk, "Lost comment"), 1, "one comment");
+    assert_eq!(sent(&api, TICKET_7, "Lost comment").len(), 1);
+    assert!(api
+        .requests()
+        .iter()
+        .any(|r| r.method == "GET" && r.path() == "/api/v2/tickets/7/audits.json"));
+    // Lost before it was added: not among the audits, the call is told to send it again, and
+    // the second call adds it. One comment.
+    assert!(
+        text(&out[17]).starts_with("Error adding comment: HTTP Status Error: 504"),
+        "{out:?}"
+    );
+    assert!(text(&out[17]).contains(SAFE_TO_RESEND), "{out:?}");
+    assert_eq!(
+        text(&out[18]),
+        "Added public comment to ticket 7 successfully!",
+        "{out:?}"
+    );
+    assert_eq!(comments_saying(&desk, "Vanished comment"), 1, "one comment");
+    assert_eq!(sent(&api, TICKET_7, "Vanished comment").len(), 2);
 
     // Ten agents open the same ticket at the same moment: one ticket, all ten show it.
     lock(&desk).hold = true;

@@ -16,6 +16,7 @@
 //! * [`process`] — [`ProxyProcess`]: the real `idemproxy serve` binary, for kill/restart tests.
 #![allow(dead_code)]
 
+pub mod audits;
 pub mod backend;
 pub mod client;
 pub mod ha;
