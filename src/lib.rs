@@ -31,19 +31,21 @@
 //! - [`scope_secret`]: which secret keys a store's scopes (`scope_secret`, one derived from an
 //!   encryption key, or SQLite's generated `.secret` file).
 //! - [`locks`]: in-process one-holder/many-waiters locks for keys and entities.
-//! - [`store`]: the durable store: four small interfaces by concern (keys, entity locks,
-//!   entity states, audit), SQLite (one process; its writes run by an engine that knows no
-//!   tables, `store::sqlite::engine` — a writer thread with group commit, its fsync
-//!   pipelined on a thread of its own, each commit's WAL frames written in one call,
-//!   outcomes nobody waits on taken into the next batch, its pace set by the load — and the
-//!   request path's reads on the caller's thread, `store::sqlite::reader`) and PostgreSQL
-//!   (replicas, leases, NOTIFY; statements batched, `store::postgres::batch` — entity leases
-//!   too, `store::postgres::leases` — and on connections kept between them,
-//!   `store::postgres::kept`) backends, the replay cache as a layer in front of either
-//!   (`store::cached`, its entries `store::replay_cache`; it also holds answers given before
-//!   their commit, `store::settling`), and stored answers sealed at rest (`store::seal`,
-//!   AES-256-GCM) when an encryption key is set; a key's identity, shared and hashed once, is
-//!   `store::id`.
+//! - [`store`]: the durable store, asked through narrow traits by who asks
+//!   (`store::api`: `Keys` — get, reserve, finish, renew, a `Ticket` from reserve to finish;
+//!   `EntityStates`; `Operator`; `AuditLog`; `Shared`, the cross-process part only
+//!   PostgreSQL has). SQLite (one process; its writes run by an engine that knows no tables,
+//!   `store::sqlite::engine` — a writer thread with group commit, its fsync pipelined on a
+//!   thread of its own, each commit's WAL frames written in one call, outcomes nobody waits
+//!   on taken into the next batch, its pace set by the load — and the request path's reads on
+//!   the caller's thread, `store::sqlite::reader`) and PostgreSQL (replicas, leases, NOTIFY;
+//!   statements batched, `store::postgres::batch` — entity leases too,
+//!   `store::postgres::leases` — and on connections kept between them,
+//!   `store::postgres::kept`). Beside the store, not in front of it: the replay cache
+//!   (`store::replay`, which the request path consults in so many words; it also holds the
+//!   answers given before their commit, which an operator's read waits for). Stored answers
+//!   are sealed at rest (`store::seal`, AES-256-GCM) when an encryption key is set; a key's
+//!   identity, shared and hashed once, is `store::id`.
 //! - [`audit`]: the audit trail (batched, off the request path) and retention purging.
 //! - [`admin`]: health, readiness and the operator API on the admin listener.
 //! - [`console`]: the operators' HTML console on the admin listener (sign-in, needs attention,

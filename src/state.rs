@@ -5,7 +5,8 @@ use crate::config::{Config, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::locks::LockTable;
 use crate::metrics::Stats;
-use crate::store::Store;
+use crate::store::replay::ReplayCache;
+use crate::store::{Shared, Store};
 use crate::upstream::UpstreamClient;
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,6 +16,11 @@ use tokio_util::task::TaskTracker;
 pub struct AppState {
     pub config: Arc<Config>,
     pub store: Arc<dyn Store>,
+    /// The store's cross-process part (entity leases, watching another's key), when several
+    /// processes share it (PostgreSQL).
+    pub shared: Option<Arc<dyn Shared>>,
+    /// Completed answers kept in memory, beside the store (see [`ReplayCache`]).
+    pub replay: Arc<ReplayCache>,
     pub clients: HashMap<String, Arc<UpstreamClient>>,
     /// Local waiters for a scoped key queue here instead of hammering the store.
     pub key_locks: LockTable,
@@ -64,6 +70,8 @@ impl AppState {
             clients: clients(&config)?,
             config,
             store: self.store.clone(),
+            shared: self.shared.clone(),
+            replay: self.replay.clone(),
             key_locks: self.key_locks.clone(),
             entity_locks: self.entity_locks.clone(),
             stats: self.stats.clone(),
@@ -74,6 +82,14 @@ impl AppState {
             legacy_scopes: self.legacy_scopes,
             host_clients: Default::default(),
         })
+    }
+
+    /// The store as an operator reads and acts on it: after every answer already given has
+    /// committed, so what it shows never lags what a caller was told (an answer given before
+    /// its commit is in the replay cache, not yet in the store).
+    pub async fn operator(&self) -> &dyn Store {
+        self.replay.settled().await;
+        self.store.as_ref()
     }
 
     /// The client a request is sent with: its upstream's, or, for an upstream whose URL is

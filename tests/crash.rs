@@ -103,7 +103,7 @@ async fn killed_under_load_on_postgres_answers_after_commit_all_replay() {
 }
 
 /// On PostgreSQL an answered caller's outcome commits without waiting for its own WAL flush
-/// (`Keys::finish_answered`); the reservation before the forward still waits for its flush.
+/// (`Keys::finish` with `When::Answered`); the reservation before the forward still waits for its flush.
 /// So the database crashing right after a burst of answered first writes may lose outcomes,
 /// never reservations: with the proxy's memory gone too, each retry replays its answer or
 /// gets `409 outcome_unknown`, and nothing reaches the upstream twice. The WAL writer is

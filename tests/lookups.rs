@@ -49,7 +49,8 @@ async fn concurrent_lookups_of_one_key_on_postgres_all_find_it() {
     };
     let writer = store::open(&pg.url, Duration::from_secs(60), false, None)
         .await
-        .expect("open");
+        .expect("open")
+        .store;
     let reservation = Reservation {
         id: id("dup"),
         fingerprint: "fp".into(),
@@ -60,7 +61,7 @@ async fn concurrent_lookups_of_one_key_on_postgres_all_find_it() {
         take_unknown: false,
         call_timeout: std::time::Duration::from_secs(30),
     };
-    let Reserved::Owned { epoch, .. } = writer.reserve(reservation).await.expect("reserve") else {
+    let Reserved::Owned(ticket) = writer.reserve(reservation).await.expect("reserve") else {
         panic!("a new key is ours");
     };
     let answer = StoredResponse {
@@ -74,18 +75,14 @@ async fn concurrent_lookups_of_one_key_on_postgres_all_find_it() {
         effects: Default::default(),
     };
     assert!(writer
-        .finish(
-            &id("dup"),
-            epoch,
-            completed,
-            idemproxy::store::When::Durable
-        )
+        .finish(&ticket, completed, idemproxy::store::When::Durable)
         .await
         .expect("finish"));
     // Another store (another replica: an empty replay cache), sixteen look-ups at once.
     let reader = store::open(&pg.url, Duration::from_secs(60), false, None)
         .await
-        .expect("open");
+        .expect("open")
+        .store;
     let lookups: Vec<_> = (0..16)
         .map(|_| {
             let reader = reader.clone();

@@ -178,7 +178,7 @@ async fn twenty_identical_requests_over_three_replicas_forward_once() {
 }
 
 /// A retry that waits on another replica for a key in flight asks to be told of its outcome
-/// (`Keys::watch_key`), and the outcome's NOTIFY wakes it: not the end of the 30 s lease, nor
+/// (`Shared::watch_key`), and the outcome's NOTIFY wakes it: not the end of the 30 s lease, nor
 /// the 30 s lock timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_retry_waiting_on_another_replica_wakes_at_the_outcome() {
@@ -574,9 +574,9 @@ async fn a_release_on_one_replica_reaches_every_replay_cache() {
     released.assert_status(200);
     assert_eq!(released.json()["released"], 1);
     // The other replica learns of it by NOTIFY; wait for that, then its retry is forwarded.
-    // The bound stays under the cache's own refresh (idemproxy::store::cached::FRESH_FOR_MS), so only
+    // The bound stays under the cache's own refresh (idemproxy::store::replay::FRESH_FOR_MS), so only
     // the notification can make this pass.
-    let bound = Duration::from_millis(idemproxy::store::cached::FRESH_FOR_MS as u64 - 1_000);
+    let bound = Duration::from_millis(idemproxy::store::replay::FRESH_FOR_MS as u64 - 1_000);
     eventually_within(bound, || async {
         let r = post_json(&ps[1].url("/api/charges"), Some("rel-1"), &body, &[]).await;
         match r.replayed() {

@@ -248,7 +248,8 @@ async fn credential_scopes_are_keyed_and_an_upgrade_keeps_old_keys() {
             None,
         )
         .await
-        .expect("open the store");
+        .expect("open the store")
+        .store;
         let mut headers = http::HeaderMap::new();
         headers.insert("authorization", "Bearer old".parse().expect("header"));
         let id = ScopedKey::new("api", idemproxy::key::legacy_scope(&headers, &[]), "k-old");
@@ -266,7 +267,7 @@ async fn credential_scopes_are_keyed_and_an_upgrade_keeps_old_keys() {
             })
             .await
             .expect("reserve");
-        let Reserved::Owned { epoch, .. } = reserved else {
+        let Reserved::Owned(ticket) = reserved else {
             panic!("fresh key")
         };
         let response = StoredResponse {
@@ -280,7 +281,7 @@ async fn credential_scopes_are_keyed_and_an_upgrade_keeps_old_keys() {
             effects: Default::default(),
         };
         assert!(store
-            .finish(&id, epoch, done, idemproxy::store::When::Durable)
+            .finish(&ticket, done, idemproxy::store::When::Durable)
             .await
             .expect("finish"));
         store.close().await;

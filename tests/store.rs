@@ -6,8 +6,8 @@ mod common;
 use bytes::Bytes;
 use common::pg::PgServer;
 use idemproxy::store::{
-    self, Finish, KeyFilter, KeyState, Reservation, Reserved, ScopedKey, Store, StoredResponse,
-    When,
+    self, EntityLease, Finish, KeyFilter, KeyState, Opened, Reservation, Reserved, ScopedKey,
+    Store, StoredResponse, Ticket, When,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -40,9 +40,15 @@ fn answer(n: u8) -> StoredResponse {
     }
 }
 
+/// A ticket for `key` at `epoch`, as a reservation of it would make (the store fences on the
+/// epoch: a stale one is refused like any other owner's).
+fn at(key: &str, epoch: i64) -> Ticket {
+    Ticket::new(&reservation(key, "fp", LONG, false), epoch, 1)
+}
+
 fn owned(r: Reserved) -> i64 {
     match r {
-        Reserved::Owned { epoch, .. } => epoch,
+        Reserved::Owned(ticket) => ticket.epoch(),
         Reserved::Existing(rec) => panic!("expected to own the key, found {:?}", rec.state),
     }
 }
@@ -50,7 +56,7 @@ fn owned(r: Reserved) -> i64 {
 /// The action of an owned reservation.
 fn action(r: Reserved) -> i64 {
     match r {
-        Reserved::Owned { action, .. } => action,
+        Reserved::Owned(ticket) => ticket.action(),
         Reserved::Existing(rec) => panic!("expected to own the key, found {:?}", rec.state),
     }
 }
@@ -58,8 +64,11 @@ fn action(r: Reserved) -> i64 {
 fn existing(r: Reserved) -> KeyState {
     match r {
         Reserved::Existing(rec) => rec.state,
-        Reserved::Owned { epoch, .. } => {
-            panic!("expected an existing record, got ownership (epoch {epoch})")
+        Reserved::Owned(ticket) => {
+            panic!(
+                "expected an existing record, got ownership (epoch {})",
+                ticket.epoch()
+            )
         }
     }
 }
@@ -96,18 +105,16 @@ async fn suite(s: Arc<dyn Store>) {
     // Completing stores the answer byte for byte; a stale epoch is fenced off.
     assert!(!s
         .finish(
-            &id("k1"),
-            e1 + 1,
+            &at("k1", e1 + 1),
             Finish::Unknown,
             idemproxy::store::When::Durable
         )
         .await
         .unwrap());
-    assert!(s.renew(&id("k1"), e1, LONG).await.unwrap());
+    assert!(s.renew(&at("k1", e1), LONG).await.unwrap());
     assert!(s
         .finish(
-            &id("k1"),
-            e1,
+            &at("k1", e1),
             Finish::Completed {
                 response: answer(1).into(),
                 expires_at: far,
@@ -119,8 +126,7 @@ async fn suite(s: Arc<dyn Store>) {
         .unwrap());
     assert!(
         !s.finish(
-            &id("k1"),
-            e1,
+            &at("k1", e1),
             Finish::Unknown,
             idemproxy::store::When::Durable
         )
@@ -129,7 +135,7 @@ async fn suite(s: Arc<dyn Store>) {
         "finish twice"
     );
     assert!(
-        !s.renew(&id("k1"), e1, LONG).await.unwrap(),
+        !s.renew(&at("k1", e1), LONG).await.unwrap(),
         "renew after finish"
     );
     let rec = s.get(&id("k1")).await.unwrap().expect("k1 stored");
@@ -154,8 +160,7 @@ async fn suite(s: Arc<dyn Store>) {
     );
     assert!(s
         .finish(
-            &id("k2"),
-            e2,
+            &at("k2", e2),
             Finish::Released,
             idemproxy::store::When::Durable
         )
@@ -169,8 +174,7 @@ async fn suite(s: Arc<dyn Store>) {
     assert!(e2b > e2, "a new reservation bumps the epoch");
     assert!(
         !s.finish(
-            &id("k2"),
-            e2,
+            &at("k2", e2),
             Finish::Unknown,
             idemproxy::store::When::Durable
         )
@@ -186,18 +190,14 @@ async fn suite(s: Arc<dyn Store>) {
         .reserve(reservation("k6", "fp", LONG, false))
         .await
         .unwrap();
-    let Reserved::Owned {
-        epoch: e6,
-        action: a6,
-    } = first
-    else {
+    let Reserved::Owned(t6) = first else {
         panic!("k6 is new")
     };
+    let (e6, a6) = (t6.epoch(), t6.action());
     assert_eq!(a6, Reserved::NEW_ACTION);
     assert!(s
         .finish(
-            &id("k6"),
-            e6,
+            &at("k6", e6),
             Finish::Unknown,
             idemproxy::store::When::Durable
         )
@@ -207,13 +207,10 @@ async fn suite(s: Arc<dyn Store>) {
         .reserve(reservation("k6", "fp", LONG, true))
         .await
         .unwrap();
-    let Reserved::Owned {
-        epoch: e6b,
-        action: a6b,
-    } = taken
-    else {
+    let Reserved::Owned(t6b) = taken else {
         panic!("k6 is unknown: taken over")
     };
+    let (e6b, a6b) = (t6b.epoch(), t6b.action());
     assert_eq!(a6b, a6, "a takeover continues the action");
     let done = Finish::Completed {
         response: answer(6).into(),
@@ -223,7 +220,7 @@ async fn suite(s: Arc<dyn Store>) {
         effects: Default::default(),
     };
     assert!(s
-        .finish(&id("k6"), e6b, done, idemproxy::store::When::Durable)
+        .finish(&at("k6", e6b), done, idemproxy::store::When::Durable)
         .await
         .unwrap());
     let next = action(
@@ -238,8 +235,7 @@ async fn suite(s: Arc<dyn Store>) {
     let e6c = s.get(&id("k6")).await.unwrap().unwrap().epoch;
     assert!(s
         .finish(
-            &id("k6"),
-            e6c,
+            &at("k6", e6c),
             Finish::Released,
             idemproxy::store::When::Durable
         )
@@ -263,8 +259,7 @@ async fn suite(s: Arc<dyn Store>) {
     );
     assert!(s
         .finish(
-            &id("k3"),
-            e3,
+            &at("k3", e3),
             Finish::Unknown,
             idemproxy::store::When::Durable
         )
@@ -337,8 +332,7 @@ async fn suite(s: Arc<dyn Store>) {
     );
     assert!(s
         .finish(
-            &id("k5"),
-            e5,
+            &at("k5", e5),
             Finish::Unknown,
             idemproxy::store::When::Durable
         )
@@ -406,7 +400,7 @@ async fn suite(s: Arc<dyn Store>) {
         "in flight with a live lease"
     );
     assert!(s
-        .finish(&id("op-1"), e, Finish::Unknown, When::Durable)
+        .finish(&at("op-1", e), Finish::Unknown, When::Durable)
         .await
         .unwrap());
     assert!(
@@ -432,7 +426,7 @@ async fn suite(s: Arc<dyn Store>) {
             .unwrap(),
     );
     assert!(s
-        .finish(&id("op-2"), e, Finish::Unknown, When::Durable)
+        .finish(&at("op-2", e), Finish::Unknown, When::Durable)
         .await
         .unwrap());
     assert!(s
@@ -451,13 +445,34 @@ async fn suite(s: Arc<dyn Store>) {
     s.close().await;
 }
 
+/// The store's entity leases, when it has them (none on SQLite: one process orders it all).
+async fn lease(
+    o: &Opened,
+    ents: &[String],
+    owner: &str,
+    lease: Duration,
+    timeout: Duration,
+) -> store::StoreResult<Option<Vec<EntityLease>>> {
+    match &o.shared {
+        Some(shared) => shared.lock_entities(ents, owner, lease, timeout).await,
+        None => Ok(Some(Vec::new())),
+    }
+}
+
+async fn unlease(o: &Opened, held: &[EntityLease], owner: &str) -> store::StoreResult<()> {
+    match &o.shared {
+        Some(shared) => shared.unlock_entities(held, owner).await,
+        None => Ok(()),
+    }
+}
+
 /// Versions, claims, the audit trail and retention: effects stand only with a stored 2xx answer
 /// and (across replicas) a held lease.
-async fn ordered_suite(s: Arc<dyn Store>) {
+async fn ordered_suite(o: Opened) {
+    let s = o.store.clone();
     use idemproxy::store::{AuditRow, Effects};
     let ents = vec!["slot:1".to_string()];
-    let leases = s
-        .lock_entities(&ents, "test-owner", LONG, Duration::ZERO)
+    let leases = lease(&o, &ents, "test-owner", LONG, Duration::ZERO)
         .await
         .unwrap()
         .expect("free");
@@ -477,8 +492,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
     let far = store::after_ms(LONG);
     assert!(s
         .finish(
-            &id("b1"),
-            e,
+            &at("b1", e),
             Finish::Completed {
                 response: answer(1).into(),
                 expires_at: far,
@@ -488,7 +502,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
         )
         .await
         .unwrap());
-    s.unlock_entities(&leases, "test-owner").await.unwrap();
+    unlease(&o, &leases, "test-owner").await.unwrap();
     let st = s.entity_states(&ents).await.unwrap();
     assert_eq!(st.len(), 1);
     assert_eq!(st[0].version, Some(7));
@@ -503,8 +517,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
         .is_empty());
 
     // A stale holder (its epoch fenced off) cannot lower the version or change the claim.
-    let leases = s
-        .lock_entities(&ents, "test-owner", LONG, Duration::ZERO)
+    let leases = lease(&o, &ents, "test-owner", LONG, Duration::ZERO)
         .await
         .unwrap()
         .unwrap();
@@ -522,8 +535,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
     };
     assert!(s
         .finish(
-            &id("b2"),
-            e2,
+            &at("b2", e2),
             Finish::Completed {
                 response: answer(2).into(),
                 expires_at: far,
@@ -552,8 +564,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
     );
     assert!(s
         .finish(
-            &id("b3"),
-            e3,
+            &at("b3", e3),
             Finish::Completed {
                 response: answer(3).into(),
                 expires_at: far,
@@ -563,7 +574,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
         )
         .await
         .unwrap());
-    s.unlock_entities(&leases, "test-owner").await.unwrap();
+    unlease(&o, &leases, "test-owner").await.unwrap();
     assert!(s.entity_states(&ents).await.unwrap()[0].claim.is_none());
     assert!(
         !s.release_claim("slot:1").await.unwrap(),
@@ -607,8 +618,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
     );
     assert!(s
         .finish(
-            &id("gone"),
-            expired,
+            &at("gone", expired),
             Finish::Completed {
                 response: answer(4).into(),
                 expires_at: 1,
@@ -620,8 +630,7 @@ async fn ordered_suite(s: Arc<dyn Store>) {
         .unwrap());
     // An entity whose only state is a lapsed claim: the purge clears the claim, then the row.
     let lapsed = vec!["slot:lapsed".to_string()];
-    let held = s
-        .lock_entities(&lapsed, "test-owner", LONG, Duration::ZERO)
+    let held = lease(&o, &lapsed, "test-owner", LONG, Duration::ZERO)
         .await
         .unwrap()
         .expect("free");
@@ -643,10 +652,10 @@ async fn ordered_suite(s: Arc<dyn Store>) {
         effects: claim,
     };
     assert!(s
-        .finish(&id("lapsing"), e, done, idemproxy::store::When::Durable)
+        .finish(&at("lapsing", e), done, idemproxy::store::When::Durable)
         .await
         .unwrap());
-    s.unlock_entities(&held, "test-owner").await.unwrap();
+    unlease(&o, &held, "test-owner").await.unwrap();
     assert_eq!(s.find_entities("slot:lapsed").await.unwrap().len(), 1);
     assert!(s.purge(500, 0).await.unwrap() >= 2);
     assert!(
@@ -690,7 +699,7 @@ async fn postgres_store_passes_the_ordered_suite() {
 async fn sqlite_store_passes_the_suite() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("s.db").display());
-    let s = store::open(&url, LONG, false, None).await.unwrap();
+    let s = store::open(&url, LONG, false, None).await.unwrap().store;
     suite(s).await;
 }
 
@@ -699,7 +708,7 @@ async fn postgres_store_passes_the_suite() {
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    let s = store::open(&pg.url, LONG, false, None).await.unwrap();
+    let s = store::open(&pg.url, LONG, false, None).await.unwrap().store;
     suite(s).await;
 }
 
@@ -713,7 +722,13 @@ fn cipher() -> store::SharedCipher {
 async fn sqlite_store_passes_the_suite_encrypted() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("s.db").display());
-    suite(store::open(&url, LONG, false, cipher()).await.unwrap()).await;
+    suite(
+        store::open(&url, LONG, false, cipher())
+            .await
+            .unwrap()
+            .store,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -721,7 +736,13 @@ async fn postgres_store_passes_the_suite_encrypted() {
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    suite(store::open(&pg.url, LONG, false, cipher()).await.unwrap()).await;
+    suite(
+        store::open(&pg.url, LONG, false, cipher())
+            .await
+            .unwrap()
+            .store,
+    )
+    .await;
 }
 
 #[tokio::test]
@@ -736,13 +757,19 @@ async fn postgres_store_passes_the_ordered_suite_encrypted() {
 /// Entity leases across two store handles (two replicas): one holder at a time, the waiter
 /// woken by the release without polling, an abandoned lease free after it expires, and the
 /// fencing epoch keeps a stale holder from releasing the new holder's lease.
+/// A replica's entity leases on the server at `url`.
+async fn shared(url: &str) -> Arc<dyn idemproxy::store::Shared> {
+    let opened = store::open(url, LONG, false, None).await.unwrap();
+    opened.shared.expect("postgres shares its leases")
+}
+
 #[tokio::test]
 async fn postgres_entity_leases_exclude_and_expire() {
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    let a = store::open(&pg.url, LONG, false, None).await.unwrap();
-    let b = store::open(&pg.url, LONG, false, None).await.unwrap();
+    let a = shared(&pg.url).await;
+    let b = shared(&pg.url).await;
     let ents = vec!["slot:1".to_string()];
     let held = a
         .lock_entities(&ents, "A", LONG, Duration::ZERO)
@@ -817,15 +844,16 @@ async fn postgres_purge_never_deletes_a_lease_being_taken() {
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    let s = store::open(&pg.url, LONG, false, None).await.unwrap();
+    let o = store::open(&pg.url, LONG, false, None).await.unwrap();
+    let (s, leases) = (o.store.clone(), o.shared.clone().expect("postgres leases"));
     let ents = vec!["slot:p".to_string()];
-    let held = s
+    let held = leases
         .lock_entities(&ents, "A", LONG, Duration::ZERO)
         .await
         .unwrap()
         .unwrap();
     // Released: free, and past its lease — what the purge deletes.
-    s.unlock_entities(&held, "A").await.unwrap();
+    leases.unlock_entities(&held, "A").await.unwrap();
     // Another replica takes it; its transaction is still open.
     let mut taker = sqlx::PgConnection::connect(&pg.url).await.unwrap();
     sqlx::query("BEGIN").execute(&mut taker).await.unwrap();
@@ -879,8 +907,8 @@ async fn postgres_lease_batches_of_two_replicas_keep_one_holder_and_never_fail()
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    let a = store::open(&pg.url, LONG, false, None).await.unwrap();
-    let b = store::open(&pg.url, LONG, false, None).await.unwrap();
+    let a = shared(&pg.url).await;
+    let b = shared(&pg.url).await;
     let holders: Arc<Vec<AtomicUsize>> = Arc::new((0..6).map(|_| AtomicUsize::new(0)).collect());
     let mut tasks = Vec::new();
     for i in 0..48usize {
@@ -942,9 +970,9 @@ async fn concurrent_suite(s: Arc<dyn Store>) {
     let mut epochs = Vec::new();
     for t in tasks {
         match t.await.unwrap() {
-            (k, Reserved::Owned { epoch, .. }) => {
+            (k, Reserved::Owned(ticket)) => {
                 owned_same += usize::from(k == "same");
-                epochs.push((k, epoch));
+                epochs.push((k, ticket.epoch()));
             }
             (k, Reserved::Existing(rec)) => {
                 assert_eq!(k, "same");
@@ -968,7 +996,7 @@ async fn concurrent_suite(s: Arc<dyn Store>) {
                 effects: Default::default(),
             };
             let stored = s
-                .finish(&id(&k), e, done, idemproxy::store::When::Durable)
+                .finish(&at(&k, e), done, idemproxy::store::When::Durable)
                 .await
                 .unwrap();
             (k, stale, stored)
@@ -995,7 +1023,7 @@ async fn concurrent_suite(s: Arc<dyn Store>) {
 async fn sqlite_store_batches_concurrent_writes() {
     let dir = tempfile::tempdir().unwrap();
     let url = format!("sqlite://{}", dir.path().join("c.db").display());
-    concurrent_suite(store::open(&url, LONG, false, None).await.unwrap()).await;
+    concurrent_suite(store::open(&url, LONG, false, None).await.unwrap().store).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -1003,7 +1031,7 @@ async fn postgres_store_handles_concurrent_writes() {
     let Some(pg) = PgServer::start().await else {
         return;
     };
-    concurrent_suite(store::open(&pg.url, LONG, false, None).await.unwrap()).await;
+    concurrent_suite(store::open(&pg.url, LONG, false, None).await.unwrap().store).await;
 }
 
 /// An outcome and its entity effects are one: when an effect's statement fails (here a trigger
@@ -1016,7 +1044,8 @@ async fn sqlite_applies_an_outcome_with_its_effects_whole_or_not_at_all() {
     let db = dir.path().join("w.db");
     let s = store::open(&format!("sqlite://{}", db.display()), LONG, false, None)
         .await
-        .unwrap();
+        .unwrap()
+        .store;
     let e = owned(
         s.reserve(reservation("fx", "fp", LONG, false))
             .await
@@ -1049,10 +1078,10 @@ async fn sqlite_applies_an_outcome_with_its_effects_whole_or_not_at_all() {
         expires_at: store::after_ms(LONG),
         effects: Default::default(),
     };
-    let (fx, ok) = (id("fx"), id("ok"));
+    let (fx, ok) = (at("fx", e), at("ok", other));
     let (failed, fine) = tokio::join!(
-        s.finish(&fx, e, with_effects, idemproxy::store::When::Durable),
-        s.finish(&ok, other, plain, idemproxy::store::When::Durable)
+        s.finish(&fx, with_effects, idemproxy::store::When::Durable),
+        s.finish(&ok, plain, idemproxy::store::When::Durable)
     );
     assert!(failed.is_err(), "the effect failed: {failed:?}");
     assert!(fine.unwrap(), "the other outcome in the batch stands");
@@ -1086,7 +1115,8 @@ async fn sqlite_syncs_the_wal_beside_a_symlinked_database_target() {
     std::fs::write(&stale, b"stale").unwrap();
     let s = store::open(&format!("sqlite://{}", link.display()), LONG, false, None)
         .await
-        .unwrap();
+        .unwrap()
+        .store;
     owned(
         s.reserve(reservation("k", "fp", LONG, false))
             .await

@@ -1,14 +1,15 @@
 //! The store's credential-scoped surface, run against SQLite and PostgreSQL alike: entities
 //! scoped by credential (operators address them by bare name), the scope secret's id, unkeyed
-//! scopes of records stored before scopes were keyed, and the replay cache layer a serving
-//! process keeps.
+//! scopes of records stored before scopes were keyed, and the replay cache a serving process
+//! keeps beside its store.
 
 mod common;
 
 use bytes::Bytes;
 use common::pg::PgServer;
+use idemproxy::store::replay::ReplayCache;
 use idemproxy::store::{
-    self, Effects, Finish, Reservation, Reserved, ScopedKey, Store, StoredResponse,
+    self, Effects, Finish, Opened, Reservation, Reserved, ScopedKey, StoredResponse, Ticket,
 };
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,14 +20,25 @@ fn id(scope: &str, key: &str) -> ScopedKey {
     ScopedKey::new("api", scope, key)
 }
 
-/// Reserves and completes `key` under `scope`, setting `version` on `entities`.
-async fn write(s: &Arc<dyn Store>, scope: &str, key: &str, entities: &[&str], version: i64) {
+/// Reserves and completes `key` under `scope`, setting `version` on `entities` (under the
+/// store's entity leases, when it has them): the ticket and the outcome stored.
+async fn write(
+    o: &Opened,
+    scope: &str,
+    key: &str,
+    entities: &[&str],
+    version: i64,
+) -> (Ticket, Finish) {
+    let s = &o.store;
     let entities: Vec<String> = entities.iter().map(|e| e.to_string()).collect();
-    let leases = s
-        .lock_entities(&entities, "owner", LONG, Duration::ZERO)
-        .await
-        .expect("lock")
-        .expect("free");
+    let leases = match &o.shared {
+        Some(shared) => shared
+            .lock_entities(&entities, "owner", LONG, Duration::ZERO)
+            .await
+            .expect("lock")
+            .expect("free"),
+        None => Vec::new(),
+    };
     let reserved = s
         .reserve(Reservation {
             id: id(scope, key),
@@ -40,7 +52,7 @@ async fn write(s: &Arc<dyn Store>, scope: &str, key: &str, entities: &[&str], ve
         })
         .await
         .expect("reserve");
-    let Reserved::Owned { epoch, .. } = reserved else {
+    let Reserved::Owned(ticket) = reserved else {
         panic!("fresh key {key}")
     };
     let response = StoredResponse {
@@ -61,25 +73,27 @@ async fn write(s: &Arc<dyn Store>, scope: &str, key: &str, entities: &[&str], ve
         expires_at: store::after_ms(LONG),
         effects,
     };
-    assert!(s
-        .finish(
-            &id(scope, key),
-            epoch,
-            done,
-            idemproxy::store::When::Durable
-        )
-        .await
-        .expect("finish"));
-    s.unlock_entities(&leases, "owner").await.expect("unlock");
+    let stored = s
+        .finish(&ticket, done.clone(), idemproxy::store::When::Durable)
+        .await;
+    assert!(matches!(stored, Ok(true)), "finish: {stored:?}");
+    if let Some(shared) = &o.shared {
+        shared
+            .unlock_entities(&leases, "owner")
+            .await
+            .expect("unlock");
+    }
+    (ticket, done)
 }
 
-async fn scoped_suite(s: Arc<dyn Store>) {
+async fn scoped_suite(o: Opened) {
+    let s = o.store.clone();
     // Two tenants' contact 42, and another contact whose name starts the same way.
-    write(&s, "k1:a", "a1", &["contact:42@aaaaaaaaaaaaaaaa"], 9).await;
-    write(&s, "k1:b", "b1", &["contact:42@bbbbbbbbbbbbbbbb"], 2).await;
-    write(&s, "k1:c", "c1", &["contact:420@cccccccccccccccc"], 5).await;
+    write(&o, "k1:a", "a1", &["contact:42@aaaaaaaaaaaaaaaa"], 9).await;
+    write(&o, "k1:b", "b1", &["contact:42@bbbbbbbbbbbbbbbb"], 2).await;
+    write(&o, "k1:c", "c1", &["contact:420@cccccccccccccccc"], 5).await;
     // A shared entity whose own name has an `@` is not a scope of `contact:42`.
-    write(&s, "k1:d", "d1", &["contact:42@example.com"], 3).await;
+    write(&o, "k1:d", "d1", &["contact:42@example.com"], 3).await;
     let found = s.find_entities("contact:42").await.expect("find");
     let mut names: Vec<&str> = found.iter().map(|e| e.entity.as_str()).collect();
     names.sort();
@@ -119,7 +133,7 @@ async fn scoped_suite(s: Arc<dyn Store>) {
     let first = s.scope_secret("id-one").await.expect("secret");
     assert_eq!(first.recorded, "id-one");
     assert!(!first.legacy_keys, "every key so far has a k1: scope");
-    write(&s, "0123abcd", "legacy", &["x:1"], 1).await;
+    write(&o, "0123abcd", "legacy", &["x:1"], 1).await;
     let again = s.scope_secret("id-two").await.expect("secret");
     assert_eq!(
         again.recorded, "id-one",
@@ -129,23 +143,32 @@ async fn scoped_suite(s: Arc<dyn Store>) {
     s.close().await;
 }
 
-/// A serving process's store replays completed keys from memory and forgets released ones.
-async fn cache_suite(s: Arc<dyn Store>) {
+/// A serving process keeps completed answers beside its store: a completed write or read
+/// fills the cache, a release forgets the key, and a released record read again stays out.
+async fn cache_suite(o: Opened) {
+    let replay = ReplayCache::beside(o.store.as_ref());
+    let s = o.store.clone();
     let key = id("k1:a", "cached-1");
-    assert!(s.cached(&key).is_none());
-    write(&s, "k1:a", "cached-1", &[], 1).await;
-    let hit = s.cached(&key).expect("stored answers are cached");
+    assert!(replay.hit(&key).is_none());
+    let (ticket, done) = write(&o, "k1:a", "cached-1", &[], 1).await;
+    replay.finished(&ticket, &done, None, &Ok(true));
+    let hit = replay.hit(&key).expect("stored answers are cached");
     assert_eq!(hit.fingerprint, "fp");
     assert_eq!(s.release_key("cached-1").await.expect("release"), 1);
+    replay.forget(Some("cached-1"));
+    assert!(replay.hit(&key).is_none(), "a release forgets the key");
+    let read = s.get(&key).await.expect("get").expect("a record");
+    replay.saw(&read);
     assert!(
-        s.cached(&key).is_none(),
-        "a release forgets the key at once"
-    );
-    assert!(s.get(&key).await.expect("get").is_some());
-    assert!(
-        s.cached(&key).is_none(),
+        replay.hit(&key).is_none(),
         "a released record is not cached again"
     );
+    // A completed record read by another process's request path is cached as it is read.
+    let other = id("k1:a", "cached-2");
+    write(&o, "k1:a", "cached-2", &[], 1).await;
+    assert!(replay.hit(&other).is_none());
+    replay.saw(&s.get(&other).await.expect("get").expect("a record"));
+    assert!(replay.hit(&other).is_some(), "a completed read is cached");
     s.close().await;
 }
 

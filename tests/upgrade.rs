@@ -56,7 +56,8 @@ async fn a_store_from_before_the_rebuild_keeps_its_answers() {
     // Opening the store applies 0010.
     let s = store::open(&url, Duration::from_secs(60), false, None)
         .await
-        .unwrap();
+        .unwrap()
+        .store;
     let paid = s
         .get(&id("paid"))
         .await

@@ -160,7 +160,7 @@ async fn admin_api(state: &AppState, method: &Method, path: &str) -> Response<Pr
     let segs: Vec<&str> = segs.iter().map(String::as_str).collect();
     let result = match (method, segs.as_slice()) {
         (&Method::GET, ["keys", key]) => {
-            key_report(state.store.as_ref(), key)
+            key_report(state.operator().await, key)
                 .await
                 .map(|report| match report {
                     Some(r) => json_response(StatusCode::OK, r),
@@ -170,20 +170,23 @@ async fn admin_api(state: &AppState, method: &Method, path: &str) -> Response<Pr
                     )),
                 })
         }
-        (&Method::GET, ["entities", entity]) => entity_report(state.store.as_ref(), entity)
+        (&Method::GET, ["entities", entity]) => entity_report(state.operator().await, entity)
             .await
             .map(|r| json_response(StatusCode::OK, r)),
-        (&Method::DELETE, ["claims", entity]) => {
-            state.store.release_claim(entity).await.map(|released| {
+        (&Method::DELETE, ["claims", entity]) => state
+            .operator()
+            .await
+            .release_claim(entity)
+            .await
+            .map(|released| {
                 tracing::info!(entity, released, "claim released by the admin API");
                 json_response(
                     StatusCode::OK,
                     json!({"entity": entity, "released": released}),
                 )
-            })
-        }
+            }),
         (&Method::DELETE, ["entities", entity, "version"]) => {
-            state.store.reset_version(entity).await.map(|n| {
+            state.operator().await.reset_version(entity).await.map(|n| {
                 tracing::info!(entity, reset = n, "entity version reset by the admin API");
                 json_response(StatusCode::OK, json!({"entity": entity, "reset": n}))
             })

@@ -210,7 +210,10 @@ pub(super) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let url = format!("sqlite://{}", dir.path().join("a.db").display());
         let timeout = std::time::Duration::from_secs(30);
-        let store = crate::store::open(&url, timeout, true, None).await.unwrap();
+        let store = crate::store::open(&url, timeout, true, None)
+            .await
+            .unwrap()
+            .store;
         let stats = std::sync::Arc::new(crate::metrics::Stats::default());
         let stop = tokio_util::sync::CancellationToken::new();
         let (auditor, task) = super::Auditor::start(store.clone(), stats, stop.clone());

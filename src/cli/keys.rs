@@ -5,11 +5,10 @@
 use crate::config::Config;
 use crate::logging::escape_controls;
 use crate::settle::{self, Completion, Pick, Refused, Settled, Settler};
-use crate::store::Store;
+use crate::store::{Opened, Store};
 use bytes::Bytes;
 use std::io::Read;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 /// Which record of the key, when several carry it (other upstreams or credential scopes).
 #[derive(clap::Args)]
@@ -50,9 +49,11 @@ impl Which {
     }
 }
 
-fn settler(config: &Config, store: Arc<dyn Store>) -> Settler<'_> {
+fn settler<'a>(config: &'a Config, opened: &Opened) -> Settler<'a> {
     Settler {
-        store,
+        store: opened.store.clone(),
+        shared: opened.shared.clone(),
+        replay: None,
         locks: None,
         owner: format!("cli-{}", std::process::id()),
         config,
@@ -62,18 +63,18 @@ fn settler(config: &Config, store: Arc<dyn Store>) -> Settler<'_> {
 /// `keys release KEY [--note TEXT] [--force] [--upstream U] [--scope S]`.
 pub async fn release(
     config: &Config,
-    store: Arc<dyn Store>,
+    opened: &Opened,
     key: &str,
     (note, force): (Option<&str>, bool),
     which: Which,
 ) -> anyhow::Result<()> {
     let note = settle::note(note, false).map_err(explain)?;
-    let settled = settler(config, store.clone())
+    let settled = settler(config, opened)
         .release(key, &which.pick(), note, force)
         .await
         .map_err(explain)?;
     let n = settled.audit.len();
-    record(store.as_ref(), settled).await?;
+    record(opened.store.as_ref(), settled).await?;
     // The store tells running proxies: on SQLite a release note the proxy acknowledges
     // before this returns; on PostgreSQL a NOTIFY every replica hears within moments.
     println!(
@@ -91,7 +92,7 @@ pub async fn release(
 /// `keys complete KEY --status N [--body-file F] [-H 'Name: value'] --note TEXT`.
 pub async fn complete(
     config: &Config,
-    store: Arc<dyn Store>,
+    opened: &Opened,
     key: &str,
     asked: Asked,
 ) -> anyhow::Result<()> {
@@ -120,11 +121,11 @@ pub async fn complete(
         headers,
         body,
     };
-    let settled = settler(config, store.clone())
+    let settled = settler(config, opened)
         .complete(key, &asked.which.pick(), &completion, note)
         .await
         .map_err(explain)?;
-    record(store.as_ref(), settled).await?;
+    record(opened.store.as_ref(), settled).await?;
     println!(
         "completed key {:?} with status {}: retries get this answer",
         escape_controls(key, false),

@@ -279,8 +279,8 @@ fn shutdown_signal() -> impl std::future::Future<Output = ()> {
 }
 
 async fn migrate(config: Config) -> anyhow::Result<()> {
-    let store = crate::store::open(&config.store.url, config.store.lease, false, None).await?;
-    store.close().await;
+    let opened = crate::store::open(&config.store.url, config.store.lease, false, None).await?;
+    opened.store.close().await;
     println!("migrations applied to {}", config.store.display_url());
     Ok(())
 }
@@ -288,7 +288,8 @@ async fn migrate(config: Config) -> anyhow::Result<()> {
 async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
     // With the config's keys, answers are shown opened; without them, `<encrypted>`.
     let cipher = config.store.encryption.clone();
-    let store = crate::store::open(&config.store.url, config.store.lease, false, cipher).await?;
+    let opened = crate::store::open(&config.store.url, config.store.lease, false, cipher).await?;
+    let store = opened.store.clone();
     let result = match command {
         KeysCommand::Show { key } => match crate::admin::key_report(store.as_ref(), &key).await? {
             Some(report) => {
@@ -305,10 +306,10 @@ async fn keys(config: Config, command: KeysCommand) -> anyhow::Result<()> {
             which,
         } => {
             let asked = (note.as_deref(), force);
-            crate::cli::keys::release(&config, store.clone(), &key, asked, which).await
+            crate::cli::keys::release(&config, &opened, &key, asked, which).await
         }
         KeysCommand::Complete { key, asked } => {
-            crate::cli::keys::complete(&config, store.clone(), &key, asked).await
+            crate::cli::keys::complete(&config, &opened, &key, asked).await
         }
         KeysCommand::List {
             entity,

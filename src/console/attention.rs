@@ -26,7 +26,7 @@ pub async fn page(state: &AppState, frame: &Frame<'_>) -> StoreResult<Markup> {
         limit: LIMIT + 1,
         ..Default::default()
     };
-    let mut records = state.store.list_keys(&filter).await?;
+    let mut records = state.operator().await.list_keys(&filter).await?;
     let more = records.len() as i64 > LIMIT;
     records.truncate(LIMIT as usize);
     let mut audits: HashMap<String, Vec<AuditRow>> = HashMap::new();

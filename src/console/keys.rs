@@ -49,7 +49,7 @@ pub async fn page(
         };
         return Ok((true, page::layout(frame, Nav::Key(""), "A key", body)));
     };
-    let records = state.store.find_key(key).await?;
+    let records = state.operator().await.find_key(key).await?;
     let mut attempts = state.store.audit_for_key(key, LIMIT).await?;
     attempts.reverse();
     let now = now_ms();

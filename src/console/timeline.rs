@@ -32,7 +32,7 @@ pub async fn page(
             body,
         ));
     };
-    let states = state.store.find_entities(entity).await?;
+    let states = state.operator().await.find_entities(entity).await?;
     let mut rows = state.store.audit_for_entity(entity, LIMIT).await?;
     rows.reverse();
     let full = rows.len() as i64 == LIMIT;

@@ -107,7 +107,8 @@ impl Ctx {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part.as_bytes());
         }
-        h.update(self.action.to_be_bytes());
+        let action = self.ticket.as_ref().map_or(0, |t| t.action());
+        h.update(action.to_be_bytes());
         let mut out = String::from("idem-");
         crate::key::push_hex(&mut out, &h.finalize()[..16]);
         out
@@ -155,7 +156,10 @@ pub(super) async fn renewing<F: std::future::Future>(ctx: &Ctx, work: F) -> F::O
 /// are logged (the call goes on: it cannot be taken back).
 async fn renew(ctx: &Ctx, lease: Duration) {
     let (state, id) = (&ctx.state, &ctx.prepared.id);
-    match state.store.renew(id, ctx.epoch, lease).await {
+    let Some(ticket) = &ctx.ticket else {
+        return;
+    };
+    match state.store.renew(ticket, lease).await {
         Ok(true) => {}
         Ok(false) => {
             tracing::error!(key = %id.key, "lost the key's reservation while the upstream call runs")

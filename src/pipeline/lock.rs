@@ -4,7 +4,7 @@
 use super::Ctx;
 use crate::config::Route;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
-use crate::store::{EntityLease, Store, StoreResult};
+use crate::store::{EntityLease, Shared, StoreResult};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::oneshot;
@@ -34,14 +34,19 @@ async fn lock(ctx: &Ctx) -> ProxyResult<Locked> {
         .lock_all(&ctx.prepared.entities, left())
         .await
         .map_err(|_| entity_busy(&ctx.route))?;
-    if ctx.prepared.entities.is_empty() {
+    // A store no other process shares needs no leases: this process's locks order it all.
+    let Some(store) = state
+        .shared
+        .clone()
+        .filter(|_| !ctx.prepared.entities.is_empty())
+    else {
         return Ok((guards, None));
-    }
+    };
     // Taken in a task of its own and handed over as a guard: if this request is cancelled
     // (the client hung up) while leases are being taken, the guard drops and releases them
     // instead of leaving the entities locked until the leases run out.
     let (tx, rx) = oneshot::channel();
-    let (store, owner) = (state.store.clone(), state.owner.clone());
+    let owner = state.owner.clone();
     let entities = ctx.prepared.entities.clone();
     let (lease, timeout) = (state.config.store.lease, left());
     tokio::spawn(async move {
@@ -74,7 +79,7 @@ pub(super) fn entity_busy(route: &Route) -> ProxyError {
 /// held — through the checks, the reservation and the upstream call, however long each takes
 /// — and released on every path, by `release` or on drop.
 pub(super) struct StoreLeases {
-    store: Arc<dyn Store>,
+    store: Arc<dyn Shared>,
     owner: String,
     pub(super) held: Vec<EntityLease>,
     /// Stops the renewal task.
@@ -86,7 +91,7 @@ pub(super) struct StoreLeases {
 impl StoreLeases {
     /// `asked`: when the leases were asked for (before the first was taken).
     fn held(
-        store: Arc<dyn Store>,
+        store: Arc<dyn Shared>,
         owner: String,
         held: Vec<EntityLease>,
         lease: Duration,

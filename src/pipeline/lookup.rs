@@ -45,14 +45,14 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
     if ctx.slot.is_none() {
         // A completed key replays at once, with no lock — concurrent replays of one key never
         // queue behind each other — and, when cached, with no store read.
-        if let Some(hit) = ctx.state.store.cached(&ctx.prepared.id) {
+        if let Some(hit) = ctx.state.replay.hit(&ctx.prepared.id) {
             if hit.fingerprint == ctx.prepared.fingerprint {
                 return Ok(Found::Replay(hit.response.clone()));
             }
             return Err(key_reused());
         }
         let looks_up =
-            reservation_looks_up(ctx) && !ctx.state.store.likely_replay(&ctx.prepared.id);
+            reservation_looks_up(ctx) && !ctx.state.replay.likely_replay(&ctx.prepared.id);
         let mut record = match looks_up {
             true => None,
             false => get(ctx, &ctx.prepared.id).await?,
@@ -117,7 +117,7 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<Found> {
 /// it finds comes back to this step (as `ctx.taken`) and is decided on as if read here. One
 /// store trip fewer for every first write.
 ///
-/// Not for a request that most likely replays (`Keys::likely_replay`: the replay cache held
+/// Not for a request that most likely replays (`ReplayCache::likely_replay`: the cache held
 /// its key's answer until lately, or most look-ups that missed the cache lately were of
 /// completed keys): a read takes it from the store's readers, while a reservation queues on
 /// SQLite's one writer behind whatever it is committing (an audit batch of hundreds of rows:
@@ -133,8 +133,13 @@ fn reservation_looks_up(ctx: &Ctx) -> bool {
         && ctx.legacy_scope.is_none()
 }
 
+/// Reads a record; a completed one goes to the replay cache.
 async fn get(ctx: &Ctx, id: &ScopedKey) -> ProxyResult<Option<KeyRecord>> {
-    ctx.state.store.get(id).await.map_err(ProxyError::store)
+    let record = ctx.state.store.get(id).await.map_err(ProxyError::store)?;
+    if let Some(rec) = &record {
+        ctx.state.replay.saw(rec);
+    }
+    Ok(record)
 }
 
 /// The key's local slot: `true` when it was free at once.
@@ -201,7 +206,7 @@ fn decide(ctx: &Ctx, record: Option<&KeyRecord>) -> ProxyResult<Decision> {
 
 /// Waits for another request's in-flight record: until it changes, its lease ends, or our
 /// deadline passes. The store is first asked to tell us of the change (see
-/// [`crate::store::Keys::watch_key`]); when it has changed already, there is nothing to wait
+/// [`crate::store::Shared::watch_key`]); when it has changed already, there is nothing to wait
 /// for: the caller reads it again.
 async fn wait_foreign(
     ctx: &mut Ctx,
@@ -212,17 +217,22 @@ async fn wait_foreign(
     if Instant::now() >= deadline {
         return Err(in_progress());
     }
-    let store = &ctx.state.store;
     // Subscribed before the watch, which reads the record again: a completion in another
     // replica either sees the watch (and notifies us, subscribed by then) or came first (and
-    // the watch finds the key settled). Not before every read: most requests never wait.
-    let woken = store.subscribe_key(&ctx.prepared.id);
-    if !store
-        .watch_key(&ctx.prepared.id, epoch)
-        .await
-        .map_err(ProxyError::store)?
-    {
-        return Ok(());
+    // the watch finds the key settled). Not before every read: most requests never wait. A
+    // store no other process shares has no one else to hear from: the key's owner is in this
+    // process, and the slot it holds is what this request waited on.
+    let mut woken = None;
+    if let Some(shared) = &ctx.state.shared {
+        woken = Some(shared.subscribe_key(&ctx.prepared.id));
+        let id = &ctx.prepared.id;
+        if !shared
+            .watch_key(id, epoch)
+            .await
+            .map_err(ProxyError::store)?
+        {
+            return Ok(());
+        }
     }
     let _waiting = ctx.state.stats.wait();
     let lease_left = Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64 + 1);

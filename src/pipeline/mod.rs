@@ -41,7 +41,7 @@ use crate::connection::RequestBody;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::locks::LockGuard;
 use crate::state::AppState;
-use crate::store::KeyRecord;
+use crate::store::{KeyRecord, Ticket};
 use crate::upstream::{ProxyBody, Target, UpstreamClient};
 use http::{Request, Response};
 use lock::StoreLeases;
@@ -204,11 +204,9 @@ pub struct Ctx {
     /// Step 3: local entity locks and cross-replica leases.
     entity_guards: Vec<LockGuard>,
     leases: Option<StoreLeases>,
-    /// Step 5: the reservation's fencing epoch.
-    epoch: i64,
-    /// Step 5: the action the reservation is part of (see `Reserved::NEW_ACTION`), which a
-    /// stamped route's stamp is made from.
-    action: i64,
+    /// Step 5: the reservation, once the key is ours: what the outcome is stored under (its
+    /// fencing epoch), and the action a stamped route's stamp is made from.
+    ticket: Option<Ticket>,
     started: Instant,
     lock_wait: Duration,
     upstream_time: Option<Duration>,
@@ -237,8 +235,7 @@ impl Ctx {
             reconcile_first: None,
             entity_guards: Vec::new(),
             leases: None,
-            epoch: 0,
-            action: 0,
+            ticket: None,
             started: Instant::now(),
             lock_wait: Duration::ZERO,
             upstream_time: None,

@@ -106,11 +106,14 @@ pub(super) async fn run(
 /// and whether it would have reserved the key (then so does observe mode).
 async fn look(ctx: &mut Ctx) -> (Option<&'static str>, bool) {
     let store = ctx.state.store.clone();
-    let record = match store.cached(&ctx.prepared.id) {
+    let record = match ctx.state.replay.hit(&ctx.prepared.id) {
         Some(hit) if hit.fingerprint == ctx.prepared.fingerprint => return (Some("replay"), false),
         Some(_) => return (Some("key_reused"), false),
         None => store.get(&ctx.prepared.id).await,
     };
+    if let Ok(Some(rec)) = &record {
+        ctx.state.replay.saw(rec);
+    }
     let record = match record {
         Ok(r) => r,
         Err(e) => return store_failed(ctx, e),
@@ -163,12 +166,13 @@ async fn reserve_key(ctx: &mut Ctx) -> bool {
     // dedupes by our key (`would_for_record` let it through only then).
     let reservation = ctx.reservation(ctx.resends_unknown());
     match ctx.state.store.reserve(reservation).await {
-        Ok(Reserved::Owned { epoch, action }) => {
-            ctx.epoch = epoch;
-            ctx.action = action;
+        Ok(Reserved::Owned(ticket)) => {
+            ctx.state.replay.reserved();
+            ctx.ticket = Some(ticket);
             true
         }
         Ok(Reserved::Existing(rec)) => {
+            ctx.state.replay.saw(&rec);
             let w = would_for_record(&rec, &ctx.prepared.fingerprint, ctx.resends_unknown());
             ctx.observed = ctx.observed.or(w).or(Some("in_flight"));
             false

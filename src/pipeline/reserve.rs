@@ -56,11 +56,10 @@ async fn entities_held(ctx: &mut Ctx) -> ProxyResult<()> {
 pub(super) async fn still_ours(ctx: &mut Ctx) -> ProxyResult<()> {
     entities_held(ctx).await?;
     let lease = ctx.state.config.store.lease;
-    let renewed = ctx
-        .state
-        .store
-        .renew(&ctx.prepared.id, ctx.epoch, lease)
-        .await;
+    let renewed = match &ctx.ticket {
+        Some(ticket) => ctx.state.store.renew(ticket, lease).await,
+        None => Ok(false),
+    };
     if matches!(renewed, Ok(true)) {
         return Ok(());
     }
@@ -78,13 +77,16 @@ pub(super) async fn step(ctx: &mut Ctx) -> ProxyResult<bool> {
     entities_held(ctx).await?;
     let reservation = ctx.reservation(ctx.take_unknown);
     match ctx.state.store.reserve(reservation).await {
-        Ok(Reserved::Owned { epoch, action }) => {
+        Ok(Reserved::Owned(ticket)) => {
             crate::fault::point(crate::fault::Point::Reserved);
-            ctx.epoch = epoch;
-            ctx.action = action;
+            ctx.state.replay.reserved();
+            ctx.ticket = Some(ticket);
             Ok(true)
         }
         Ok(Reserved::Existing(record)) => {
+            // The reservation was the look-up (see `Keys::reserve`): what it found is kept
+            // as a read's would be.
+            ctx.state.replay.saw(&record);
             ctx.release_entities().await;
             ctx.taken = Some(record);
             Ok(false)
@@ -123,6 +125,6 @@ pub(super) async fn before_retry(ctx: &mut Ctx, wait: Duration) -> Option<Outcom
             (Outcome::Refused(e), Finish::Unknown)
         }
     };
-    store::record(ctx, finish, false).await;
+    store::record(ctx, finish, None).await;
     Some(outcome)
 }

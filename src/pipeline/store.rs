@@ -1,8 +1,8 @@
 //! Step 7: what the forward's ending means (SPEC's outcome table), stored — the answer, the
 //! new version and claim of a 2xx — then the locks released.
 //!
-//! An answer goes to its caller before its completion commits when the store can keep it where
-//! a retry finds it at once (the replay cache, see [`crate::store::Keys::remember`]): the
+//! An answer goes to its caller before its completion commits when it is kept where a retry
+//! finds it at once (the replay cache, see [`ReplayCache::remember`]): the
 //! reservation, committed before the forward, is what stops a second forward, and the key's
 //! slot and entity locks are held until the commit, so the next write to the entity, or a
 //! retry the cache cannot serve, sees the stored outcome. What a crash between the answer and
@@ -13,6 +13,7 @@ use super::outcome::{finish_of, outcome_of, Answer, Outcome};
 use super::reconcile::{self, Verdict};
 use super::{Ctx, Detached, Reply};
 use crate::error::ProxyError;
+use crate::store::replay::{Remembered, ReplayCache};
 use crate::store::{AfterCommit, Finish, KeyState, ScopedKey, StoreResult, When};
 use crate::upstream::Called;
 use std::time::Duration;
@@ -21,11 +22,11 @@ use std::time::Duration;
 /// stored), stores the outcome, writes the audit row.
 pub(super) async fn step(mut ctx: Ctx, called: Called, reply: Reply) {
     let (outcome, finish) = decide(&mut ctx, called).await;
-    if !answer_first(&ctx, &outcome, &finish) {
-        record(&mut ctx, finish, false).await;
+    let Some(remembered) = answer_first(&ctx, &outcome, &finish) else {
+        record(&mut ctx, finish, None).await;
         let _ = reply.send(Detached::Finished(ctx.finish(outcome)));
         return;
-    }
+    };
     // The audit row goes with the answer (rows keep the order callers saw answers in; a
     // store that then fails to commit is logged and counted, as when it fails before).
     let decision = ctx.decision(&outcome);
@@ -33,8 +34,8 @@ pub(super) async fn step(mut ctx: Ctx, called: Called, reply: Reply) {
     ctx.conclude(&decision);
     let _ = reply.send(Detached::Finished(answer));
     match ctx.entity_guards.is_empty() && ctx.leases.is_none() {
-        true => record_later(&mut ctx, finish).await,
-        false => record(&mut ctx, finish, true).await,
+        true => record_later(&mut ctx, finish, remembered).await,
+        false => record(&mut ctx, finish, Some(remembered)).await,
     }
 }
 
@@ -42,7 +43,7 @@ pub(super) async fn step(mut ctx: Ctx, called: Called, reply: Reply) {
 pub(super) async fn stored(ctx: &mut Ctx, called: Called) -> Outcome {
     let (outcome, finish) = decide(ctx, called).await;
     // Once: observe mode never holds an answer back for a failing store (it fails open).
-    let stored = finish_within(ctx, finish, false, Duration::ZERO).await;
+    let stored = finish_within(ctx, finish, None, Duration::ZERO).await;
     heard(&ctx.state.stats, &ctx.prepared.id, stored);
     ctx.release_entities().await;
     ctx.slot = None;
@@ -92,10 +93,10 @@ async fn after_unknown(ctx: &mut Ctx, lost: ProxyError) -> (Outcome, Finish) {
     }
 }
 
-/// Whether the caller may be answered before the outcome commits: a full answer, stored, with
-/// no entity effects, that the store keeps where a retry finds it (and
-/// `store.answer_before_commit` is not off).
-fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> bool {
+/// Whether the caller may be answered before the outcome commits — a full answer, stored, with
+/// no entity effects, that the replay cache keeps where a retry finds it (and
+/// `store.answer_before_commit` is not off) — and the cache's word that it does.
+fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> Option<Remembered> {
     let full = ctx.state.config.store.answer_before_commit
         && matches!(
             outcome,
@@ -112,19 +113,18 @@ fn answer_first(ctx: &Ctx, outcome: &Outcome, finish: &Finish) -> bool {
             expires_at,
             effects,
         } if full && effects.is_empty() => {
-            ctx.state
-                .store
-                .remember(&ctx.prepared.id, response, *expires_at)
+            let ticket = ctx.ticket.as_ref()?;
+            ctx.state.replay.remember(ticket, response, *expires_at)
         }
-        _ => false,
+        _ => None,
     }
 }
 
 /// Stores what became of the key (fenced by our epoch), then lets go of the entity locks and
-/// the key's slot. `answered`: its caller was answered already, from the replay cache.
-pub(super) async fn record(ctx: &mut Ctx, finish: Finish, answered: bool) {
+/// the key's slot. `remembered`: its caller was answered already, from the replay cache.
+pub(super) async fn record(ctx: &mut Ctx, finish: Finish, remembered: Option<Remembered>) {
     let budget = STORE_RETRY_FOR.min(ctx.state.config.store.lease);
-    let stored = finish_within(ctx, finish, answered, budget).await;
+    let stored = finish_within(ctx, finish, remembered, budget).await;
     heard(&ctx.state.stats, &ctx.prepared.id, stored);
     ctx.release_entities().await;
     ctx.slot = None;
@@ -144,21 +144,39 @@ const STORE_RETRY_FOR: Duration = Duration::from_secs(5);
 async fn finish_within(
     ctx: &Ctx,
     finish: Finish,
-    answered: bool,
+    remembered: Option<Remembered>,
     budget: Duration,
 ) -> StoreResult<bool> {
-    let (store, id, epoch) = (&ctx.state.store, &ctx.prepared.id, ctx.epoch);
+    let Some(ticket) = &ctx.ticket else {
+        return Ok(false);
+    };
+    let stored = finish_tried(ctx, ticket, &finish, remembered, budget).await;
+    ctx.state
+        .replay
+        .finished(ticket, &finish, remembered, &stored);
+    stored
+}
+
+/// [`finish_within`]'s tries.
+async fn finish_tried(
+    ctx: &Ctx,
+    ticket: &crate::store::Ticket,
+    finish: &Finish,
+    remembered: Option<Remembered>,
+    budget: Duration,
+) -> StoreResult<bool> {
+    let (store, id, epoch) = (&ctx.state.store, ticket.id(), ticket.epoch());
     let started = tokio::time::Instant::now();
     let mut pause = Duration::from_millis(25);
     let mut failed = false;
     loop {
-        let when = match answered {
-            true => When::Answered,
-            false => When::Durable,
+        let when = match remembered {
+            Some(r) => When::Answered(r),
+            None => When::Durable,
         };
-        match store.finish(id, epoch, finish.clone(), when).await {
+        match store.finish(ticket, finish.clone(), when).await {
             Ok(false) if failed => {
-                let want = match &finish {
+                let want = match finish {
                     Finish::Completed { .. } => KeyState::Completed,
                     Finish::Released => KeyState::Released,
                     Finish::Unknown => KeyState::Unknown,
@@ -182,22 +200,23 @@ async fn finish_within(
 /// takes the outcome without this task waiting for it, and the slot is let go once it is
 /// stored, wherever the store hears of that (SQLite: the writer's thread, see
 /// `store::sqlite::engine::deferred`).
-async fn record_later(ctx: &mut Ctx, finish: Finish) {
-    let (stats, id, slot) = (
+async fn record_later(ctx: &mut Ctx, finish: Finish, remembered: Remembered) {
+    let Some(ticket) = ctx.ticket.clone() else {
+        return;
+    };
+    let (stats, replay, slot): (_, std::sync::Arc<ReplayCache>, _) = (
         ctx.state.stats.clone(),
-        ctx.prepared.id.clone(),
+        ctx.state.replay.clone(),
         ctx.slot.take(),
     );
+    let (theirs, outcome) = (ticket.clone(), finish.clone());
     let then = AfterCommit::new(move |stored| {
-        heard(&stats, &id, stored);
+        replay.finished(&theirs, &outcome, Some(remembered), &stored);
+        heard(&stats, theirs.id(), stored);
         drop(slot);
     });
-    let (id, epoch) = (&ctx.prepared.id, ctx.epoch);
-    let _handed = ctx
-        .state
-        .store
-        .finish(id, epoch, finish, When::Later(then))
-        .await;
+    let store = &ctx.state.store;
+    let _handed = store.finish(&ticket, finish, When::Later(then)).await;
 }
 
 /// What a stored outcome's write came to, logged and counted.

@@ -78,9 +78,12 @@ impl Server {
     pub async fn start(config: Config) -> anyhow::Result<Server> {
         let config = Arc::new(config);
         let cipher = config.store.encryption.clone();
-        let store = crate::store::open(&config.store.url, config.store.lease, true, cipher)
+        let opened = crate::store::open(&config.store.url, config.store.lease, true, cipher)
             .await
             .with_context(|| format!("cannot open the store {}", config.store.display_url()))?;
+        let (store, shared) = (opened.store, opened.shared);
+        // A serving process replays hot keys from memory; a CLI process reads the store itself.
+        let replay = crate::store::replay::ReplayCache::beside(store.as_ref());
         let (scoper, check, source) =
             crate::scope_secret::for_store(&config.store, store.as_ref()).await?;
         tracing::info!(
@@ -121,6 +124,8 @@ impl Server {
         let state = AppState {
             config: config.clone(),
             store,
+            shared,
+            replay,
             auditor,
             clients,
             key_locks: LockTable::new(),

@@ -4,18 +4,23 @@
 //! instead of keeping the entities from every replica until they lapse.
 
 use crate::locks::LockGuard;
-use crate::store::{EntityLease, Store};
+use crate::store::{EntityLease, Shared};
 use std::sync::Arc;
 
 pub(super) struct Held {
-    store: Arc<dyn Store>,
+    /// `None`: a store with no leases (then `leases` stays empty).
+    store: Option<Arc<dyn Shared>>,
     owner: String,
     _guards: Vec<LockGuard>,
     pub(super) leases: Vec<EntityLease>,
 }
 
 impl Held {
-    pub(super) fn new(store: Arc<dyn Store>, owner: String, guards: Vec<LockGuard>) -> Held {
+    pub(super) fn new(
+        store: Option<Arc<dyn Shared>>,
+        owner: String,
+        guards: Vec<LockGuard>,
+    ) -> Held {
         Held {
             store,
             owner,
@@ -27,11 +32,13 @@ impl Held {
     /// Lets go of the leases now (this process's guards go with `self`).
     pub(super) async fn unlock(mut self) {
         let leases = std::mem::take(&mut self.leases);
-        unlock(self.store.as_ref(), &leases, &self.owner).await;
+        if let Some(store) = &self.store {
+            unlock(store.as_ref(), &leases, &self.owner).await;
+        }
     }
 }
 
-async fn unlock(store: &dyn Store, leases: &[EntityLease], owner: &str) {
+async fn unlock(store: &dyn Shared, leases: &[EntityLease], owner: &str) {
     if leases.is_empty() {
         return;
     }
@@ -46,7 +53,10 @@ impl Drop for Held {
         if leases.is_empty() {
             return;
         }
-        let (store, owner) = (self.store.clone(), std::mem::take(&mut self.owner));
+        let Some(store) = self.store.clone() else {
+            return;
+        };
+        let owner = std::mem::take(&mut self.owner);
         match tokio::runtime::Handle::try_current() {
             Ok(rt) => drop(rt.spawn(async move { unlock(store.as_ref(), &leases, &owner).await })),
             Err(_) => tracing::warn!("entity leases left to lapse: no runtime to release them"),

@@ -17,8 +17,10 @@ pub use pasted::Completion;
 use crate::config::Config;
 use crate::key::entity_scope;
 use crate::locks::LockTable;
+use crate::store::replay::ReplayCache;
 use crate::store::{
-    after_ms, now_ms, AuditRow, Effects, Finish, KeyRecord, KeyState, ScopedKey, Store, StoreError,
+    after_ms, now_ms, AuditRow, Effects, Finish, KeyRecord, KeyState, ScopedKey, Shared, Store,
+    StoreError,
 };
 use held::Held;
 use std::fmt;
@@ -36,6 +38,11 @@ const LOCK_WAIT: Duration = Duration::from_secs(10);
 /// Where an operator acts from, and what it may lock.
 pub struct Settler<'a> {
     pub store: Arc<dyn Store>,
+    /// The store's leases across replicas, when it has them.
+    pub shared: Option<Arc<dyn Shared>>,
+    /// The server's replay cache (`None`: a CLI process, which keeps none): an act comes
+    /// after the answers already given, and a released answer leaves it.
+    pub replay: Option<Arc<ReplayCache>>,
     /// This process's entity locks (`None`: a CLI process, which shares none with the server
     /// beside it; the store's leases still order it against every replica).
     pub locks: Option<&'a LockTable>,
@@ -148,6 +155,8 @@ impl<'a> Settler<'a> {
     pub fn of(state: &'a crate::state::AppState) -> Self {
         Settler {
             store: state.store.clone(),
+            shared: state.shared.clone(),
+            replay: Some(state.replay.clone()),
             locks: Some(&state.entity_locks),
             owner: state.owner.clone(),
             config: &state.config,
@@ -167,7 +176,7 @@ impl<'a> Settler<'a> {
         note: Option<String>,
         force: bool,
     ) -> Result<Settled, Refused> {
-        let records = self.store.find_key(key).await?;
+        let records = self.records(key).await?;
         let record = choose(&records, pick)?;
         let state = record.effective_state(now_ms());
         let whole = records.len() == 1 && pick.upstream.is_none() && pick.scope.is_none();
@@ -198,13 +207,16 @@ impl<'a> Settler<'a> {
             KeyState::Completed if whole => {
                 let held = self.lock(&record.entities).await?;
                 let released = self.store.release_key(key).await;
+                if let Some(replay) = &self.replay {
+                    replay.forget(Some(key));
+                }
                 held.unlock().await;
                 released? > 0
             }
             KeyState::Released => false,
             _ => return Err(Refused::NotUnknown(vec![record.clone()])),
         };
-        let now = self.store.find_key(key).await?;
+        let now = self.records(key).await?;
         if !done && state != KeyState::Released {
             // A retry took it over, or another operator settled it, meanwhile.
             return Err(Refused::NotUnknown(now));
@@ -234,7 +246,7 @@ impl<'a> Settler<'a> {
         note: Option<String>,
     ) -> Result<Settled, Refused> {
         let note = note.ok_or_else(|| Refused::Invalid(NOTE_REQUIRED.into()))?;
-        let records = self.store.find_key(key).await?;
+        let records = self.records(key).await?;
         let record = choose(&records, pick)?;
         if !settleable(record) {
             return Err(Refused::NotUnknown(vec![record.clone()]));
@@ -252,7 +264,7 @@ impl<'a> Settler<'a> {
             .settle_record(&record.id, record.epoch, finish)
             .await;
         held.unlock().await;
-        let now = self.store.find_key(key).await?;
+        let now = self.records(key).await?;
         if !done? {
             // A retry took it over, or another operator settled it, meanwhile.
             return Err(Refused::NotUnknown(now));
@@ -276,15 +288,21 @@ impl<'a> Settler<'a> {
                 .map_err(|_| Refused::Busy)?,
             _ => Vec::new(),
         };
-        let mut held = Held::new(self.store.clone(), self.owner.clone(), guards);
-        if !entities.is_empty() {
+        let mut held = Held::new(self.shared.clone(), self.owner.clone(), guards);
+        if let Some(shared) = self.shared.as_ref().filter(|_| !entities.is_empty()) {
             let lease = self.config.store.lease;
-            let taken = self
-                .store
-                .lock_entities(entities, &self.owner, lease, LOCK_WAIT);
+            let taken = shared.lock_entities(entities, &self.owner, lease, LOCK_WAIT);
             held.leases = taken.await?.ok_or(Refused::Busy)?;
         }
         Ok(held)
+    }
+
+    /// Every record of `key`, once the answers already given have committed.
+    async fn records(&self, key: &str) -> Result<Vec<KeyRecord>, StoreError> {
+        if let Some(replay) = &self.replay {
+            replay.settled().await;
+        }
+        self.store.find_key(key).await
     }
 
     /// A route's retention by name, else the store's (a route renamed since the key was

@@ -102,12 +102,8 @@ pub struct Reservation {
 
 #[derive(Debug)]
 pub enum Reserved {
-    /// Ours, with this fencing epoch.
-    Owned {
-        epoch: i64,
-        /// The action this reservation is part of (see [`Reserved::NEW_ACTION`]).
-        action: i64,
-    },
+    /// Ours: the ticket [`Keys::finish`] and [`Keys::renew`] take.
+    Owned(super::Ticket),
     /// Someone else's record stands; the pipeline decides (replay, wait, 409, 422).
     Existing(Box<KeyRecord>),
 }
@@ -139,12 +135,12 @@ pub enum When {
     /// Once it is durable: its caller is answered after.
     Durable,
     /// Once it is committed, visible to every reader: its caller was answered already, from the
-    /// replay cache (see [`Keys::remember`]), so nobody acts on it being durable and a store
+    /// replay cache (see [`super::replay::ReplayCache::remember`]), so nobody acts on it being durable and a store
     /// may sync it shortly after (SQLite: see `sqlite::engine::job::Heard`; PostgreSQL: an
     /// asynchronous commit). A crash before that sync leaves the key unknown, as a crash
     /// before the commit would: never forwarded twice. An outcome with entity effects (a
     /// version, a claim) is always made durable first.
-    Answered,
+    Answered(super::replay::Remembered),
     /// As [`When::Answered`], with nobody waiting: `finish` returns once the store has taken
     /// the write (`Ok(true)`), and the callback hears how it went. A store that rides the
     /// write on its next transaction (SQLite) calls it on its writer thread, so it must be

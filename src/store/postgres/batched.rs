@@ -99,7 +99,7 @@ async fn rounds(
             round.into_iter().partition(|&i| rs[i].take_unknown);
         let mut upserts = takeovers;
         for (i, epoch, action) in insert(conn, rs, fresh.clone(), None).await? {
-            out[i] = Some(Reserved::Owned { epoch, action });
+            out[i] = Some(Reserved::Owned(Ticket::new(&rs[i], epoch, action)));
         }
         if rs.len() > 1 {
             crate::fault::point(crate::fault::Point::PgBatchMid);
@@ -134,7 +134,7 @@ async fn rounds(
                 rules::reservable(if take_unknown { "TRUE" } else { "FALSE" })
             );
             for (i, epoch, action) in insert(conn, rs, group, Some(&conflict)).await? {
-                out[i] = Some(Reserved::Owned { epoch, action });
+                out[i] = Some(Reserved::Owned(Ticket::new(&rs[i], epoch, action)));
             }
         }
         pending = later;
@@ -238,7 +238,7 @@ pub(super) enum Commit {
 
 /// Stores every outcome whose epoch still owns its key (`false` for the fenced ones), and
 /// NOTIFYs, in the same statement, each stored key that a waiter watches (see
-/// `Keys::watch_key`): the row lock orders a watch and an outcome, so either the outcome's
+/// `Shared::watch_key`): the row lock orders a watch and an outcome, so either the outcome's
 /// update sees the mark, or the watch finds the key no longer in flight.
 pub(super) async fn store_outcomes<'e>(
     db: impl sqlx::PgExecutor<'e>,

@@ -119,7 +119,7 @@ pub async fn reset_version(pool: &PgPool, entity: &str) -> StoreResult<u64> {
 
 impl PgStore {
     /// Entity times as read, moved from the database clock onto this replica's.
-    fn local_states(&self, mut states: Vec<EntityState>) -> Vec<EntityState> {
+    pub(super) fn local_states(&self, mut states: Vec<EntityState>) -> Vec<EntityState> {
         for s in &mut states {
             s.updated_at = self.clock.to_local(s.updated_at);
             if let Some(c) = &mut s.claim {
@@ -137,15 +137,5 @@ impl EntityStates for PgStore {
         let states = entity_states(c.conn(), entities).await?;
         c.done();
         Ok(self.local_states(states))
-    }
-    async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
-        release_claim(&self.pool, entity).await
-    }
-    async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>> {
-        let states = find_entities(&self.pool, entity).await?;
-        Ok(self.local_states(states))
-    }
-    async fn reset_version(&self, entity: &str) -> StoreResult<u64> {
-        reset_version(&self.pool, entity).await
     }
 }

@@ -23,11 +23,11 @@ pub(super) async fn record<'e>(
 
 /// The record of `$1`–`$3` while epoch `$4` holds it in flight: what the holder's renewals and
 /// a waiter's watch may change.
-const IN_FLIGHT_AT: &str =
+pub(super) const IN_FLIGHT_AT: &str =
     "upstream = $1 AND scope = $2 AND key = $3 AND state = 'in_flight' AND epoch = $4";
 
 /// `sql` (which names the record by [`IN_FLIGHT_AT`]) with the key and epoch bound.
-fn in_flight_at<'q>(
+pub(super) fn in_flight_at<'q>(
     sql: &'q str,
     id: &'q ScopedKey,
     epoch: i64,
@@ -88,13 +88,8 @@ impl Keys for PgStore {
     /// `wal_writer_delay`s. A database crash before then loses it: the key is left in flight
     /// and, once its lease lapses, unknown — never forwarded again, as when this process dies
     /// between the answer and the commit.
-    async fn finish(
-        &self,
-        id: &ScopedKey,
-        epoch: i64,
-        outcome: Finish,
-        when: When,
-    ) -> StoreResult<bool> {
+    async fn finish(&self, ticket: &Ticket, outcome: Finish, when: When) -> StoreResult<bool> {
+        let (id, epoch) = (ticket.id(), ticket.epoch());
         let answered = |c: crate::store::FinishColumns| async move {
             match c.effects.is_empty() {
                 true => {
@@ -107,7 +102,7 @@ impl Keys for PgStore {
         let sealed = outcome.into_columns(self.cipher.as_deref(), id, epoch);
         match when {
             When::Durable => self.finish_columns(id, epoch, sealed?).await,
-            When::Answered => answered(sealed?).await,
+            When::Answered(_) => answered(sealed?).await,
             When::Later(then) => {
                 match sealed {
                     Ok(c) => then.tell(answered(c).await),
@@ -117,97 +112,13 @@ impl Keys for PgStore {
             }
         }
     }
-    async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
+    async fn renew(&self, ticket: &Ticket, lease: Duration) -> StoreResult<bool> {
+        let (id, epoch) = (ticket.id(), ticket.epoch());
         let sql = format!("UPDATE idem_keys SET lease_until = {NOW} + $5 WHERE {IN_FLIGHT_AT}");
         let res = in_flight_at(&sql, id, epoch)
             .bind(lease_ms(lease))
             .execute(&self.pool)
             .await?;
         Ok(res.rows_affected() == 1)
-    }
-    fn subscribe_key(&self, id: &ScopedKey) -> Option<tokio::sync::watch::Receiver<u64>> {
-        Some(self.hub.subscribe(&key_topic(id)))
-    }
-    /// Marks the record watched, so that storing its outcome NOTIFYs (see migration `0010`:
-    /// a NOTIFY for every outcome reached every replica, for waiters that are rare). The
-    /// update waits for an outcome being stored and then finds it settled (`false`: read the
-    /// record again); an outcome stored after it sees the mark.
-    async fn watch_key(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool> {
-        let sql = format!("UPDATE idem_keys SET watched = true WHERE {IN_FLIGHT_AT}");
-        let res = in_flight_at(&sql, id, epoch).execute(&self.pool).await?;
-        Ok(res.rows_affected() == 1)
-    }
-    async fn release_key(&self, key: &str) -> StoreResult<u64> {
-        let rows = sqlx::query(&format!(
-            "WITH u AS (UPDATE idem_keys SET state = 'released', owner = NULL, updated_at = {NOW} \
-             WHERE key = $1 AND {} \
-             RETURNING upstream, scope, key) \
-             SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text, \
-                    pg_notify('{CHANNEL}', '{RELEASED_PREFIX}' || key)::text FROM u",
-            rules::releasable(NOW)
-        ))
-        .bind(key)
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(rows.len() as u64)
-    }
-    async fn settle_record(
-        &self,
-        id: &ScopedKey,
-        epoch: i64,
-        outcome: Finish,
-    ) -> StoreResult<bool> {
-        let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
-        // Whoever watches the key (a retry waiting on it, on any replica) reads it again.
-        let rows = sqlx::query(&format!(
-            "WITH u AS (UPDATE idem_keys SET state = $1, status = $2, headers = $3, body = $4, \
-               expires_at = $5, enc_key = $6, owner = NULL, updated_at = {NOW} \
-             WHERE upstream = $7 AND scope = $8 AND key = $9 AND epoch = $10 AND {} \
-             RETURNING upstream, scope, key) \
-             SELECT pg_notify('{CHANNEL}', 'k:' || upstream || chr(10) || scope || chr(10) || key)::text FROM u",
-            rules::settleable(NOW)
-        ))
-        .bind(c.state.as_str())
-        .bind(c.status.map(i32::from))
-        .bind(c.headers.as_deref())
-        .bind(c.body.as_deref())
-        .bind(c.expires_at.map(|t| self.clock.to_db(t)))
-        .bind(c.enc_key.as_deref())
-        .bind(&id.upstream)
-        .bind(&id.scope)
-        .bind(&id.key)
-        .bind(epoch)
-        .fetch_all(&self.pool)
-        .await?;
-        Ok(rows.len() == 1)
-    }
-    async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
-        let rows = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM idem_keys WHERE key = $1 ORDER BY created_at"
-        ))
-        .bind(key)
-        .fetch_all(&self.pool)
-        .await?;
-        self.clock.records(&rows, self.cipher.as_deref())
-    }
-    async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
-        let rows = sqlx::query(&format!(
-            "SELECT {COLUMNS} FROM idem_keys WHERE ($1::text IS NULL OR \
-               {} = $1) \
-             AND ($2::text IS NULL OR EXISTS (SELECT 1 FROM jsonb_array_elements_text(entities) AS e(value) WHERE {})) \
-             ORDER BY updated_at {} LIMIT $3",
-            rules::effective_state(NOW),
-            names_entity("e.value", "$2"),
-            if f.oldest_first { "ASC" } else { "DESC" }
-        ))
-        .bind(f.state.map(KeyState::as_str))
-        .bind(f.entity.as_deref())
-        .bind(if f.limit > 0 { f.limit } else { 100 })
-        .fetch_all(&self.pool)
-        .await?;
-        self.clock.records(&rows, self.cipher.as_deref())
-    }
-    fn observe_releases(&self, f: ReleaseObserver) {
-        self.hub.set_observer(f);
     }
 }

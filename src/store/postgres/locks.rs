@@ -2,6 +2,7 @@
 //! on the database clock; a waiter marks the lease it waits for, and wakes on the NOTIFY its
 //! release then sends.
 
+use super::keys::{in_flight_at, IN_FLIGHT_AT};
 use super::leases::{Attempt, Releasing, Taking};
 use super::*;
 
@@ -40,7 +41,7 @@ impl PgStore {
 }
 
 #[async_trait]
-impl EntityLocks for PgStore {
+impl Shared for PgStore {
     async fn lock_entities(
         &self,
         entities: &[String],
@@ -137,5 +138,17 @@ impl EntityLocks for PgStore {
             .lease_releases
             .call(Releasing::new(owner, leases))
             .await
+    }
+    fn subscribe_key(&self, id: &ScopedKey) -> tokio::sync::watch::Receiver<u64> {
+        self.hub.subscribe(&key_topic(id))
+    }
+    /// Marks the record watched, so that storing its outcome NOTIFYs (see migration `0010`:
+    /// a NOTIFY for every outcome reached every replica, for waiters that are rare). The
+    /// update waits for an outcome being stored and then finds it settled (`false`: read the
+    /// record again); an outcome stored after it sees the mark.
+    async fn watch_key(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool> {
+        let sql = format!("UPDATE idem_keys SET watched = true WHERE {IN_FLIGHT_AT}");
+        let res = in_flight_at(&sql, id, epoch).execute(&self.pool).await?;
+        Ok(res.rows_affected() == 1)
     }
 }

@@ -24,6 +24,7 @@ mod keys;
 mod leases;
 mod locks;
 mod meta;
+mod operator;
 
 use super::notify::{entity_topic, key_topic, Hub, RELEASED_PREFIX};
 use super::*;
@@ -278,5 +279,8 @@ impl Store for PgStore {
         self.lazy.release_all();
         self.lazy_pool.close().await;
         self.pool.close().await;
+    }
+    fn observe_releases(&self, f: ReleaseObserver) {
+        self.hub.set_observer(f);
     }
 }

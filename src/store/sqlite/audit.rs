@@ -171,6 +171,7 @@ pub(super) mod tests {
         crate::store::open(&url, std::time::Duration::from_secs(30), true, None)
             .await
             .unwrap()
+            .store
     }
 
     /// A row whose fields all differ with `n`, of key `k`.

@@ -89,26 +89,4 @@ impl EntityStates for SqliteStore {
             .await?;
         rows.iter().map(rows::entity_state).collect()
     }
-    async fn release_claim(&self, entity: &str) -> StoreResult<bool> {
-        let entity = entity.to_owned();
-        self.writer
-            .write(move |ctx| release_claims(ctx.conn, &entity, ctx.now))
-            .await
-    }
-    async fn find_entities(&self, entity: &str) -> StoreResult<Vec<EntityState>> {
-        let rows = sqlx::query(&format!(
-            "SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE {} ORDER BY entity LIMIT 100",
-            names_entity("entity", "?1")
-        ))
-        .bind(entity)
-        .fetch_all(&self.reads)
-        .await?;
-        rows.iter().map(rows::entity_state).collect()
-    }
-    async fn reset_version(&self, entity: &str) -> StoreResult<u64> {
-        let entity = entity.to_owned();
-        self.writer
-            .write(move |ctx| reset_version(ctx.conn, &entity, ctx.now))
-            .await
-    }
 }

@@ -35,10 +35,8 @@ pub fn reserve(ctx: &Tx, r: &Reservation) -> StoreResult<Reserved> {
     ];
     if !r.take_unknown {
         if stmt(&RESERVE_NEW)?.execute(args)? == 1 {
-            return Ok(Reserved::Owned {
-                epoch: NEW_EPOCH,
-                action: Reserved::NEW_ACTION,
-            });
+            let ticket = Ticket::new(r, NEW_EPOCH, Reserved::NEW_ACTION);
+            return Ok(Reserved::Owned(ticket));
         }
         match record(ctx, &r.id)? {
             Some(found) if found.effective_state(ctx.now) != KeyState::Released => {
@@ -58,7 +56,7 @@ pub fn reserve(ctx: &Tx, r: &Reservation) -> StoreResult<Reserved> {
         .query_row(args, |row| Ok((row.get(0)?, row.get(1)?)))
         .optional()?;
     if let Some((epoch, action)) = owned {
-        return Ok(Reserved::Owned { epoch, action });
+        return Ok(Reserved::Owned(Ticket::new(r, epoch, action)));
     }
     // The upsert's `WHERE` left the record untouched (no page written): read what stands.
     match record(ctx, &r.id)? {
@@ -132,7 +130,7 @@ fn finish_row(ctx: &Tx, id: &ScopedKey, epoch: i64, c: &FinishColumns) -> StoreR
 }
 
 /// Sets a record's outcome columns where `sql`'s condition holds at `epoch`.
-fn outcome_row(
+pub(super) fn outcome_row(
     ctx: &Tx,
     id: &ScopedKey,
     epoch: i64,
@@ -165,7 +163,7 @@ static FINISH_SQL: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| format!("{OUTCOME_SET}state = 'in_flight'"));
 
 /// An operator's settlement: only while the outcome is unknown (see [`rules::settleable`]).
-static SETTLE_SQL: std::sync::LazyLock<String> =
+pub(super) static SETTLE_SQL: std::sync::LazyLock<String> =
     std::sync::LazyLock::new(|| format!("{OUTCOME_SET}{}", rules::settleable("?7")));
 
 pub fn renew(ctx: &Tx, id: &ScopedKey, epoch: i64, until: i64) -> StoreResult<bool> {
@@ -229,7 +227,7 @@ impl SqliteStore {
                 then.tell(done);
                 return Ok(true);
             }
-            (Ok(c), When::Answered) if c.effects.is_empty() => (c, Heard::Committed),
+            (Ok(c), When::Answered(_)) if c.effects.is_empty() => (c, Heard::Committed),
             (Ok(c), _) => (c, Heard::Synced),
         };
         let id = id.clone();
@@ -265,73 +263,15 @@ impl Keys for SqliteStore {
         // writes nothing and syncs nothing (see `reserve` above).
         self.writer.write(move |ctx| reserve(ctx, &r)).await
     }
-    async fn finish(
-        &self,
-        id: &ScopedKey,
-        epoch: i64,
-        outcome: Finish,
-        when: When,
-    ) -> StoreResult<bool> {
+    async fn finish(&self, ticket: &Ticket, outcome: Finish, when: When) -> StoreResult<bool> {
+        let (id, epoch) = (ticket.id(), ticket.epoch());
         self.store_outcome(id, epoch, outcome, when).await
     }
-    async fn renew(&self, id: &ScopedKey, epoch: i64, lease: Duration) -> StoreResult<bool> {
-        let id = id.clone();
+    async fn renew(&self, ticket: &Ticket, lease: Duration) -> StoreResult<bool> {
+        let (id, epoch) = (ticket.id().clone(), ticket.epoch());
         let ms = lease.as_millis() as i64;
         self.writer
             .write(move |ctx| renew(ctx, &id, epoch, ctx.now.saturating_add(ms)))
             .await
-    }
-    async fn release_key(&self, key: &str) -> StoreResult<u64> {
-        let key = key.to_owned();
-        let (n, seq) = self.writer.write(move |ctx| release_key(ctx, &key)).await?;
-        if self.lock.is_none() {
-            super::releases::wait_until_seen(&self.reads, &self.db, seq).await;
-        }
-        Ok(n)
-    }
-    fn observe_releases(&self, f: ReleaseObserver) {
-        *self.observer.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
-    }
-    async fn settle_record(
-        &self,
-        id: &ScopedKey,
-        epoch: i64,
-        outcome: Finish,
-    ) -> StoreResult<bool> {
-        let c = outcome.into_columns(self.cipher.as_deref(), id, epoch)?;
-        let id = id.clone();
-        self.writer
-            .write(move |ctx| outcome_row(ctx, &id, epoch, &c, &SETTLE_SQL))
-            .await
-    }
-    async fn find_key(&self, key: &str) -> StoreResult<Vec<KeyRecord>> {
-        let rows = sqlx::query(&format!(
-            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE key = ? ORDER BY created_at"
-        ))
-        .bind(key)
-        .fetch_all(&self.reads)
-        .await?;
-        rows.iter()
-            .map(|r| rows::key_record(r, self.cipher.as_deref()))
-            .collect()
-    }
-    async fn list_keys(&self, f: &KeyFilter) -> StoreResult<Vec<KeyRecord>> {
-        let rows = sqlx::query(&format!(
-            "SELECT {KEY_COLUMNS} FROM idem_keys WHERE (?1 IS NULL OR {} = ?1) \
-             AND (?2 IS NULL OR EXISTS (SELECT 1 FROM json_each(idem_keys.entities) WHERE {})) \
-             ORDER BY updated_at {} LIMIT ?3",
-            rules::effective_state("?4"),
-            names_entity("value", "?2"),
-            if f.oldest_first { "ASC" } else { "DESC" }
-        ))
-        .bind(f.state.map(KeyState::as_str))
-        .bind(f.entity.as_deref())
-        .bind(if f.limit > 0 { f.limit } else { 100 })
-        .bind(now_ms())
-        .fetch_all(&self.reads)
-        .await?;
-        rows.iter()
-            .map(|r| rows::key_record(r, self.cipher.as_deref()))
-            .collect()
     }
 }

@@ -21,6 +21,7 @@ mod engine;
 mod entities;
 mod keys;
 mod meta;
+mod operator;
 mod reader;
 mod releases;
 
@@ -297,9 +298,6 @@ fn lock_file(db: &std::path::Path) -> StoreResult<std::fs::File> {
 }
 
 #[async_trait]
-impl EntityLocks for SqliteStore {}
-
-#[async_trait]
 impl Store for SqliteStore {
     fn backend(&self) -> &'static str {
         "sqlite"
@@ -323,5 +321,8 @@ impl Store for SqliteStore {
         self.reads.close().await;
         self.audit.close().await;
         self.audit_reads.close().await;
+    }
+    fn observe_releases(&self, f: ReleaseObserver) {
+        *self.observer.lock().unwrap_or_else(|p| p.into_inner()) = Some(f);
     }
 }

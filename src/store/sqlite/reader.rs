@@ -161,7 +161,7 @@ mod tests {
         assert!(store.get(&id("a")).await.unwrap().is_none());
         assert!(matches!(
             store.reserve(reservation("a", &[])).await.unwrap(),
-            Reserved::Owned { .. }
+            Reserved::Owned(_)
         ));
         let read = store.get(&id("a")).await.unwrap().expect("seen at once");
         assert_eq!(read.state, KeyState::InFlight);

@@ -1,8 +1,8 @@
 //! The replay cache's entries: completed answers by key, bounded by bytes (quick_cache's
 //! S3-FIFO evicts), each trusted for [`FRESH_FOR_MS`], and the keys released lately, which no
-//! read that began before the release may put back. [`super::cached`] layers them over a store.
+//! read that began before the release may put back.
 
-use super::*;
+use crate::store::*;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -79,6 +79,12 @@ pub(super) struct Entries {
     /// the released answer back (tombstones live as long as an entry would). A std mutex: a
     /// map look-up or insert, never held across an await.
     pub(super) released: Mutex<HashMap<String, i64, ahash::RandomState>>,
+}
+
+impl Default for Entries {
+    fn default() -> Entries {
+        Entries::new()
+    }
 }
 
 impl Entries {
