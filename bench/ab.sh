@@ -45,6 +45,12 @@ fi
 if [ -n "${STORE_EXTRA:-}" ]; then
   sed -i "/^\[store\]$/a $STORE_EXTRA" "$WORK/proxy.toml"
 fi
+# UPSTREAM_EXTRA_B adds lines to B's [upstreams.api] only: the same binary on both sides then
+# measures a setting, e.g. UPSTREAM_EXTRA_B='pace = { rate = 10000000, per = "1s" }'.
+cp "$WORK/proxy.toml" "$WORK/proxy-b.toml"
+if [ -n "${UPSTREAM_EXTRA_B:-}" ]; then
+  sed -i "/^\[upstreams.api\]$/a $UPSTREAM_EXTRA_B" "$WORK/proxy-b.toml"
+fi
 
 # cpu_us PID: CPU time of every thread of PID so far, in µs (and of every postgres process).
 cpu_us() {
@@ -62,9 +68,9 @@ fresh() {
   fi
 }
 
-measure() { # BIN: "req/s cpu-µs-per-request" of one run on a fresh store
+measure() { # BIN CONFIG: "req/s cpu-µs-per-request" of one run on a fresh store
   fresh
-  env ${PROXY_WORKERS:+TOKIO_WORKER_THREADS=$PROXY_WORKERS} RUST_LOG=warn "$1" serve --config "$WORK/proxy.toml" \
+  env ${PROXY_WORKERS:+TOKIO_WORKER_THREADS=$PROXY_WORKERS} RUST_LOG=warn "$1" serve --config "$2" \
     2>>"$WORK/proxy.log" &
   local pid=$!
   echo "$pid" > "$WORK/proxy.pid"
@@ -84,7 +90,7 @@ measure() { # BIN: "req/s cpu-µs-per-request" of one run on a fresh store
 
 echo "A: $A"; echo "B: $B"; echo "$N pairs, $DUR s each, $CONN connections, $SCRIPT, $STORE"
 for _ in $(seq "$N"); do
-  echo "$(measure "$A") $(measure "$B")"
+  echo "$(measure "$A" "$WORK/proxy.toml") $(measure "$B" "$WORK/proxy-b.toml")"
 done | awk '{
     x = $4 / $1; y = $5 / $2; n++; s += x; ss += x * x; t += y; tt += y * y
     if ($3 > 0 && $6 > 0) { z = $6 / $3; q++; u += z; uu += z * z }

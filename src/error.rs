@@ -71,11 +71,14 @@ pub enum ErrorKind {
     /// Admin API only: an operator's settlement of a key whose outcome is known, whose call
     /// may still run, or which several records carry (`409`, with the records).
     NotSettleable,
+    /// The API's rate limit for this account (`upstreams.X.pace`) would not give this request
+    /// its turn within `max_wait`: refused with `Retry-After`, nothing sent (`429`).
+    RateLimited,
 }
 
 impl ErrorKind {
     /// Every error type, for tables and for the tests that hold the docs to them.
-    pub const ALL: [ErrorKind; 29] = {
+    pub const ALL: [ErrorKind; 30] = {
         use ErrorKind::*;
         [
             BadPath,
@@ -107,6 +110,7 @@ impl ErrorKind {
             Unauthorized,
             NotFound,
             NotSettleable,
+            RateLimited,
         ]
     };
 
@@ -143,6 +147,7 @@ impl ErrorKind {
             Unauthorized => "unauthorized",
             NotFound => "not_found",
             NotSettleable => "not_settleable",
+            RateLimited => "rate_limited",
         }
     }
 
@@ -165,6 +170,7 @@ impl ErrorKind {
             UpstreamUnreachable => StatusCode::BAD_GATEWAY,
             UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             Unauthorized => StatusCode::UNAUTHORIZED,
+            RateLimited => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -176,7 +182,7 @@ impl ErrorKind {
             UpstreamUnreachable | UpstreamTimeout => Origin::Upstream,
             Internal => Origin::Internal,
             KeyReused | RequestInProgress | OutcomeUnknown | StaleVersion | EntityClaimed
-            | PrecheckFailed | EntityBusy | AnswerTooLarge => Origin::Conflict,
+            | PrecheckFailed | EntityBusy | AnswerTooLarge | RateLimited => Origin::Conflict,
             _ => Origin::Downstream,
         }
     }

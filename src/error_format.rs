@@ -70,6 +70,7 @@ pub fn advice(kind: ErrorKind) -> &'static str {
         EgressHostNotAllowed => "The proxy does not forward to this host; nothing was sent. Ask the operator to add it to an upstream's hosts or to egress.tunnel.",
         NotSettleable => "Nothing was changed: the key is not waiting to be settled, or several records carry it. Read its records and pick one.",
         Internal => "The proxy failed; a write may have happened. Sending the same request again, unchanged, is safe.",
+        RateLimited => "The API's rate limit for this account is taken by the requests ahead of this one; nothing was sent. Wait the seconds in Retry-After, then send the same request again.",
     }
 }
 
@@ -99,6 +100,8 @@ fn stripe(e: &ProxyError) -> (StatusCode, Value, Option<bool>) {
         EntityBusy | StoreUnavailable | UpstreamUnreachable => {
             (e.kind.status().as_u16(), "api_error", true)
         }
+        // As Stripe answers its own rate limit: `429`, which the SDKs retry after a pause.
+        RateLimited => (429, "invalid_request_error", true),
         // Stripe dedupes by the key the proxy sends: a retry is safe and gets the outcome.
         UpstreamTimeout => (504, "api_error", true),
         _ if e.kind.origin() == Origin::Downstream => (400, "invalid_request_error", false),
@@ -117,6 +120,7 @@ fn hubspot(e: &ProxyError) -> Value {
     let category = match e.kind.status().as_u16() {
         404 => "OBJECT_NOT_FOUND",
         409 | 422 => "CONFLICT",
+        429 => "RATE_LIMITS",
         s if s >= 500 => "INTERNAL_ERROR",
         _ => "VALIDATION_ERROR",
     };

@@ -80,6 +80,7 @@ pub mod key;
 pub mod locks;
 pub mod logging;
 pub mod metrics;
+pub mod pace;
 pub mod pipeline;
 pub mod redact;
 pub mod reload;

@@ -69,6 +69,8 @@ pub struct Stats {
     reconciles: Family<ReconcileLabels, Counter>,
     upstream_seconds: Histograms,
     lock_wait_seconds: Histograms,
+    /// Pacing at the APIs' rate limits (see [`crate::pace`]).
+    pub pace: crate::pace::Metrics,
 }
 
 /// Decrements a gauge when dropped, so early returns and cancellations keep it right.
@@ -107,8 +109,10 @@ impl Default for Stats {
             reconciles: Family::default(),
             upstream_seconds: Family::new_with_constructor(seconds_histogram),
             lock_wait_seconds: Family::new_with_constructor(seconds_histogram),
+            pace: Default::default(),
         };
         let mut r = s.registry;
+        s.pace.register(&mut r);
         r.register(
             "idemproxy_requests",
             "Protected requests by route and decision",

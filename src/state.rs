@@ -21,6 +21,9 @@ pub struct AppState {
     pub shared: Option<Arc<dyn Shared>>,
     /// Completed answers kept in memory, beside the store (see [`ReplayCache`]).
     pub replay: Arc<ReplayCache>,
+    /// Each account's rate-limit budget at each API (see [`crate::pace`]); kept across
+    /// reloads, as the API's own count is.
+    pub pacer: Arc<crate::pace::Pacer>,
     pub clients: HashMap<String, Arc<UpstreamClient>>,
     /// Local waiters for a scoped key queue here instead of hammering the store.
     pub key_locks: LockTable,
@@ -72,6 +75,7 @@ impl AppState {
             store: self.store.clone(),
             shared: self.shared.clone(),
             replay: self.replay.clone(),
+            pacer: self.pacer.clone(),
             key_locks: self.key_locks.clone(),
             entity_locks: self.entity_locks.clone(),
             stats: self.stats.clone(),

@@ -249,6 +249,8 @@ fn sent(api: &RecordingUpstream, path: &str, marker: &str) -> Vec<Recorded> {
         .collect()
 }
 
+#[path = "agents/fleet.rs"]
+mod fleet;
 #[path = "agents/hubspot.rs"]
 mod hubspot;
 #[path = "agents/stripe.rs"]

@@ -709,6 +709,17 @@ upstream = "api"
 methods = ["POST"]
 path = "/observed"
 mode = "observe"
+
+[upstreams.paced]
+url = "{url}"
+prefix = "/paced"
+pace = {{ rate = 1, per = "2s", max_wait = "3s" }}
+
+[[routes]]
+name = "paced"
+upstream = "paced"
+methods = ["POST"]
+path = "/things"
 "#,
         server = server_section(),
         url = upstream.url(),
@@ -735,6 +746,9 @@ async fn drive_the_proxy() -> Exposition {
                 ("POST", p) if p.starts_with("/slots/") => Reply::echo(rec, n).held(),
                 ("POST", "/observed") if rec.header("idempotency-key") == Some("o-2") => {
                     Reply::echo(rec, n).held()
+                }
+                ("GET", "/limited") => {
+                    Reply::json(429, &json!({"error": "slow down"})).header("retry-after", "30")
                 }
                 _ => Reply::echo(rec, n),
             }
@@ -803,6 +817,21 @@ async fn drive_the_proxy() -> Exposition {
     for held in [slot, observed, observed_dup] {
         held.await.unwrap().assert_status(200);
     }
+
+    // Three writes at once to an API paced at one every two seconds: the first goes,
+    // the second waits its turn, the third's would come past max_wait (refused, nothing
+    // sent). Then the API answers a read 429 itself: the account pauses.
+    let paced: Vec<_> = ["p-1", "p-2", "p-3"]
+        .into_iter()
+        .map(|key| spawn_post("/paced/things", key))
+        .collect();
+    let mut statuses = Vec::new();
+    for p in paced {
+        statuses.push(p.await.unwrap().status);
+    }
+    statuses.sort();
+    assert_eq!(statuses, [200, 200, 429], "paced writes");
+    get(&proxy.url("/paced/limited")).await.assert_status(429);
 
     // A reload that applies, and one that is refused.
     let reload = || async { request("POST", &proxy.admin_url("/admin/reload"), &[], "").await };

@@ -35,6 +35,7 @@ pub async fn handle(live: Live, req: Request<RequestBody>) -> Response<ProxyBody
             ),
         },
         (&Method::GET, "/metrics") => {
+            state.pacer.refresh();
             let mut resp = Response::new(full(state.stats.render()));
             resp.headers_mut().insert(
                 header::CONTENT_TYPE,

@@ -35,8 +35,18 @@ pub(super) fn check(config: &Config) -> anyhow::Result<()> {
             true => "{host}".to_owned(),
             false => u.authority.to_string(),
         };
+        let pace = match &u.pace {
+            Some(b) => format!(
+                " pace={}/{} burst={} max_wait={}",
+                b.rate.limit,
+                crate::config::units::show_duration(b.rate.per),
+                b.rate.burst,
+                crate::config::units::show_duration(b.max_wait)
+            ),
+            None => String::new(),
+        };
         println!(
-            "upstream {}: {}://{authority}{} prefix={at} hosts=[{}] unmatched={} error_format={}",
+            "upstream {}: {}://{authority}{} prefix={at} hosts=[{}] unmatched={} error_format={}{pace}",
             u.name,
             u.scheme,
             u.base_path,

@@ -356,6 +356,7 @@ fn upstreams(
                     .unwrap_or(server.max_answer),
             },
             url_credentials,
+            pace: super::pace::budget(cx, name, &u.pace),
             routes: routes
                 .iter()
                 .filter(|r| &r.upstream == name)

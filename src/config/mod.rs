@@ -8,6 +8,7 @@
 pub(super) mod compile;
 mod compiler;
 pub mod egress;
+pub mod pace;
 pub mod raw;
 mod route_types;
 mod routes;
@@ -190,6 +191,9 @@ pub struct Upstream {
     /// Largest answer buffered and stored; a larger one streams to its first caller and its
     /// key is kept as completed without a body (retries get `409 answer_too_large`).
     pub max_answer: usize,
+    /// The API's rate limit per account, kept by the proxy (`pace`): `None`, every request
+    /// goes at once.
+    pub pace: Option<pace::Budget>,
     /// `Authorization: Basic ...` from credentials in the upstream URL (`http://user:pw@host`),
     /// sent when the caller sends no `Authorization`. Never printed.
     pub url_credentials: Option<http::HeaderValue>,

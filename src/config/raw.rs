@@ -89,6 +89,17 @@ pub struct RawUpstream {
     pub sdk_keys: Option<Vec<Str>>,
     pub store_set_cookie: Option<bool>,
     pub max_answer: Option<Str>,
+    pub pace: Option<Spanned<RawPace>>,
+}
+
+/// `pace = { rate = 100, per = "10s", burst = 100, max_wait = "30s" }`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawPace {
+    pub rate: Spanned<i64>,
+    pub per: Option<Str>,
+    pub burst: Option<Spanned<i64>>,
+    pub max_wait: Option<Str>,
 }
 
 #[derive(Debug, Deserialize)]

@@ -9,6 +9,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+/// The next connection's number.
+static NEXT_CONN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// A number for a new connection, unique in this process (see [`RequestBody::conn`]).
+pub fn number() -> u64 {
+    NEXT_CONN.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// The body of a request the proxy serves.
 #[derive(Debug)]
 pub struct RequestBody {
@@ -16,22 +24,35 @@ pub struct RequestBody {
     /// Raised when the body has been read to its end; `None` where nothing asks (HTTP/2,
     /// whose streams frame themselves).
     read: Option<Arc<AtomicBool>>,
+    /// The connection it came on (numbered in this process): who the caller is, to pacing's
+    /// fair queue.
+    conn: u64,
 }
 
 impl RequestBody {
     /// `read` is raised once the body has been read to its end (at once, if it is empty).
-    pub(super) fn tracked(inner: Incoming, read: Arc<AtomicBool>) -> RequestBody {
+    pub(super) fn tracked(inner: Incoming, read: Arc<AtomicBool>, conn: u64) -> RequestBody {
         let body = RequestBody {
             inner,
             read: Some(read),
+            conn,
         };
         body.is_end_stream();
         body
     }
 
     /// A body whose end nobody needs to know.
-    pub fn untracked(inner: Incoming) -> RequestBody {
-        RequestBody { inner, read: None }
+    pub fn untracked(inner: Incoming, conn: u64) -> RequestBody {
+        RequestBody {
+            inner,
+            read: None,
+            conn,
+        }
+    }
+
+    /// The number of the connection the request came on.
+    pub fn conn(&self) -> u64 {
+        self.conn
     }
 
     fn mark(&self) {

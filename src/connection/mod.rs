@@ -11,11 +11,12 @@
 //! rest would be taken for the next request's head), or when the listener is closing.
 
 mod body;
+mod h2;
 mod rewind;
 pub mod splice;
 mod turn;
 
-pub use body::RequestBody;
+pub use body::{number, RequestBody};
 
 use bytes::{Bytes, BytesMut};
 use http::header::{HeaderValue, CONNECTION};
@@ -91,12 +92,13 @@ pub async fn serve<I, H, F, B>(
     let Some(mut next) = first_bytes_in(&mut io, http, closing, peer).await else {
         return;
     };
+    let conn = number();
     if next.starts_with(PREFACE) {
-        return serve_h2(Rewind::new(next, io), http, handler, closing, peer).await;
+        return h2::serve(Rewind::new(next, io), http, handler, closing, peer, conn).await;
     }
     loop {
         let Some((back, rest)) =
-            exchange(Rewind::new(next, io), http, &handler, closing, peer).await
+            exchange(Rewind::new(next, io), http, &handler, closing, peer, conn).await
         else {
             return;
         };
@@ -205,6 +207,7 @@ async fn exchange<I, H, F, B>(
     handler: &H,
     closing: &CancellationToken,
     peer: &(dyn Display + Sync),
+    conn: u64,
 ) -> Option<(I, Bytes)>
 where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -222,7 +225,7 @@ where
             // This request's own flag: an earlier request's body, still alive in an upstream
             // call, must not vouch for this one.
             let read = Arc::new(AtomicBool::new(false));
-            let answer = handler(req.map(|b| RequestBody::tracked(b, read.clone())));
+            let answer = handler(req.map(|b| RequestBody::tracked(b, read.clone(), conn)));
             let (turn, closing) = (turn.clone(), closing.clone());
             Box::pin(async move {
                 let mut resp = answer.await;
@@ -306,41 +309,6 @@ pub fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &str> {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .map(str::trim)
-}
-
-/// An HTTP/2 connection, served whole by hyper; closed if it begins no request in time.
-async fn serve_h2<I, H, F, B>(
-    io: Rewind<I>,
-    http: &Http,
-    handler: H,
-    closing: &CancellationToken,
-    peer: &(dyn Display + Sync),
-) where
-    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    H: Fn(Request<RequestBody>) -> F + Clone + Send + Sync + Unpin + 'static,
-    F: Future<Output = Response<B>> + Send + 'static,
-    B: hyper::body::Body<Data = Bytes> + Send + 'static,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let spoke = Arc::new(AtomicBool::new(false));
-    let heard = spoke.clone();
-    let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
-        heard.store(true, Ordering::Relaxed);
-        let answer = handler(req.map(RequestBody::untracked));
-        async move { Ok::<_, Infallible>(answer.await) }
-    });
-    // Boxed: an HTTP/2 connection is large, and the task of every HTTP/1 one would be as large.
-    let mut conn = Box::pin(http.h2.serve_connection(TokioIo::new(io), svc));
-    let served = async move {
-        tokio::select! {
-            done = conn.as_mut() => done,
-            _ = closing.cancelled() => {
-                conn.as_mut().graceful_shutdown();
-                conn.await
-            }
-        }
-    };
-    drive(served, &spoke, peer).await;
 }
 
 /// How long a client may take to send a request head (and how long a connection may idle

@@ -92,9 +92,11 @@ pub async fn page(
             h.add(c);
         }
     }
+    let pacing = pacing(state);
     let body = html! {
         h1 { "Upstreams" }
         (super::overview::window_links("/console/upstreams", name))
+        (pacing)
         p.lead { "What each API answered over the " (label) ", from the audit trail: answers by status, calls sent and left without an answer (unknown outcomes), calls never sent (unreachable), and the upstream's time." }
         table.health {
             thead { tr { th { "upstream" } th { "2xx" } th { "3xx" } th { "4xx" } th { "5xx" } th { "unknown" } th { "unreachable" } th { "mean ms" } th { "max ms" } } }
@@ -126,6 +128,45 @@ pub async fn page(
         }
     };
     Ok(page::layout(frame, Nav::Upstreams, "Upstreams", body))
+}
+
+/// Each paced upstream's budget, and what waits for it now.
+fn pacing(state: &AppState) -> Markup {
+    let load: BTreeMap<String, (usize, usize)> = state
+        .pacer
+        .load()
+        .into_iter()
+        .map(|(up, queued, paused)| (up, (queued, paused)))
+        .collect();
+    let paced: Vec<_> = state
+        .config
+        .upstreams
+        .iter()
+        .filter(|u| u.pace.is_some())
+        .collect();
+    let show = crate::config::units::show_duration;
+    html! {
+        @if !paced.is_empty() {
+            h2 { "Rate limits, now" }
+            table.health {
+                thead { tr { th { "upstream" } th { "budget per account" } th { "longest wait" } th { "waiting" } th { "paused accounts" } } }
+                tbody {
+                    @for u in &paced {
+                        @let (queued, paused) = load.get(&u.name).copied().unwrap_or_default();
+                        @if let Some(b) = &u.pace {
+                            tr data-pace=(u.name) {
+                                td { code { (u.name) } }
+                                td { (b.rate.limit) " per " (show(b.rate.per)) ", " (b.rate.burst) " at once" }
+                                td { (show(b.max_wait)) }
+                                td class=(if queued > 0 { "bad" } else { "" }) { (queued) }
+                                td class=(if paused > 0 { "bad" } else { "" }) { (paused) }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 fn row(up: &str, h: &Health) -> Markup {

@@ -91,7 +91,16 @@ pub(super) async fn step(ctx: &mut Ctx) -> Called {
             return Called::NotSent(e.message);
         }
     }
-    timed(ctx, true).await
+    let called = timed(ctx, true).await;
+    // Refused for the API's rate limit, so not processed: once more after the account's next
+    // turn (see `pace`).
+    // The key's lease is renewed while it waits.
+    if super::pace::heard(ctx, &called) && renewing(ctx, super::pace::again(ctx)).await.is_ok() {
+        let second = timed(ctx, true).await;
+        super::pace::heard(ctx, &second);
+        return second;
+    }
+    called
 }
 
 impl Ctx {

@@ -26,6 +26,7 @@ mod lock;
 mod lookup;
 pub mod observe;
 mod outcome;
+pub mod pace;
 pub mod prepare;
 mod readable;
 mod reconcile;
@@ -63,14 +64,12 @@ pub async fn run(
     // the upstream receives alike are one key and one lock.
     crate::upstream::strip_hop_by_hop(req.headers_mut());
     let plan = match prepare::plan_key(target.upstream, route, req.headers()) {
-        Ok(KeyPlan::Unprotected) => {
-            let client = state.client_for(target)?;
-            return crate::upstream::passthrough(&client, target, req).await;
-        }
+        Ok(KeyPlan::Unprotected) => return pace::passthrough(state, target, req).await,
         plan => plan,
     };
     state.stats.on_protected();
     let mut ctx = Ctx::new(state, route, target)?;
+    ctx.caller = crate::pace::caller(req.headers(), req.body().conn());
     let observe = route.mode == Mode::Observe;
     let prepared = match plan {
         Ok(plan) => prepare::step(&mut ctx, plan, params, target, req).await,
@@ -96,6 +95,7 @@ pub async fn run(
                 return Ok(Some(stored));
             }
             ctx.build_outgoing(target)?;
+            pace::step(&mut ctx).await?;
             lock::step(&mut ctx).await?;
             // A reconcile comes first: a write that did happen makes the checks moot.
             if ctx.reconcile_first.is_none() {
@@ -207,6 +207,10 @@ pub struct Ctx {
     /// Step 5: the reservation, once the key is ours: what the outcome is stored under (its
     /// fencing epoch), and the action a stamped route's stamp is made from.
     ticket: Option<Ticket>,
+    /// The connection the request came on: who it is, to pacing's fair queue.
+    caller: u64,
+    /// Took its turn in its account's rate-limit budget (see [`pace`]).
+    paced: bool,
     started: Instant,
     lock_wait: Duration,
     upstream_time: Option<Duration>,
@@ -236,6 +240,8 @@ impl Ctx {
             entity_guards: Vec::new(),
             leases: None,
             ticket: None,
+            caller: 0,
+            paced: false,
             started: Instant::now(),
             lock_wait: Duration::ZERO,
             upstream_time: None,

@@ -181,9 +181,10 @@ async fn serve_upgrading<I>(
         // Set by the first request: a connection that sends none in time is closed.
         let spoke = Arc::new(AtomicBool::new(false));
         let heard = spoke.clone();
+        let number = crate::connection::number();
         let svc = hyper::service::service_fn(move |req: Request<Incoming>| {
             heard.store(true, Ordering::Relaxed);
-            let mut req = req.map(RequestBody::untracked);
+            let mut req = req.map(|b| RequestBody::untracked(b, number));
             req.extensions_mut().insert(slot.clone());
             let answer = handler(req);
             async move { Ok::<_, Infallible>(answer.await) }

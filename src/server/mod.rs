@@ -126,6 +126,7 @@ impl Server {
             store,
             shared,
             replay,
+            pacer: Arc::new(crate::pace::Pacer::new(stats.pace.clone())),
             auditor,
             clients,
             key_locks: LockTable::new(),

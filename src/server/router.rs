@@ -7,7 +7,7 @@ use crate::config::{Config, Route, Unmatched, Upstream};
 use crate::connection::RequestBody;
 use crate::error::{ErrorKind, Origin, ProxyError, ProxyResult};
 use crate::state::AppState;
-use crate::upstream::{passthrough, ProxyBody, Target};
+use crate::upstream::{ProxyBody, Target};
 use http::{Method, Request, Response, Version};
 use http_body_util::BodyExt;
 use std::sync::Arc;
@@ -83,10 +83,7 @@ async fn dispatch(
         },
     };
     let result = match action {
-        Action::Passthrough => {
-            let client = state.client_for(&target)?;
-            passthrough(&client, &target, req).await
-        }
+        Action::Passthrough => crate::pipeline::pace::passthrough(state, &target, req).await,
         Action::Protect(route, params) => {
             crate::pipeline::run(state, &route, params, &target, req).await
         }

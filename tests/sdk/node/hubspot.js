@@ -36,6 +36,19 @@ async function batchRead(c) {
 async function main() {
   const c = client();
   switch (scenario) {
+    case 'fleet': {
+      // Ten callers at once, each creating its own contact: fleet-FROM..FROM+9@example.com.
+      const from = Number(process.env.FLEET_FROM || 0);
+      const results = await Promise.all([...Array(10).keys()].map(async (i) => {
+        try {
+          const a = await client().crm.contacts.basicApi.create({ properties: { email: `fleet-${from + i}@example.com` }, associations: [] });
+          return { id: a.id };
+        } catch (e) {
+          return { error: e.code || String(e) };
+        }
+      }));
+      return { results };
+    }
     case 'create': {
       const a = await c.crm.contacts.basicApi.create({ properties: { email: 'ada@example.com' }, associations: [] });
       return { id: a.id };
