@@ -71,18 +71,22 @@ async fn limited(limit: usize, window: Duration, quiet: bool) -> Limited {
     }
 }
 
-/// The proxy with `pace` on the upstream `api`, whose writes to `/v1/things` are keyed by
-/// their body.
-async fn proxy(api: &RecordingUpstream, pace: &str) -> TestProxy {
-    TestProxy::start(&format!(
-        "{}[upstreams.api]\nurl = \"{}\"\nprefix = \"/api\"\ncredential_headers = [\"Authorization\"]\n\
+/// A config with `pace` on the upstream `api`, whose writes to `/v1/things` are keyed by their
+/// body; `store` lines go in a `[store]` table.
+fn config(api: &RecordingUpstream, pace: &str, store: &str) -> String {
+    format!(
+        "{}[store]\n{store}\n[upstreams.api]\nurl = \"{}\"\nprefix = \"/api\"\ncredential_headers = [\"Authorization\"]\n\
          release_statuses = [429]\npace = {pace}\n\n\
          [[routes]]\nname = \"things\"\nupstream = \"api\"\nmethods = [\"POST\"]\npath = \"/v1/things\"\n\
          key = {{ header = \"\", derive = \"{{fingerprint}}\" }}\n",
         server_section(),
         api.url()
-    ))
-    .await
+    )
+}
+
+/// The proxy on a SQLite store of its own.
+async fn proxy(api: &RecordingUpstream, pace: &str) -> TestProxy {
+    TestProxy::start(&config(api, pace, "")).await
 }
 
 async fn write(proxy: &TestProxy, body: &str, run: Option<&str>) -> Resp {
@@ -269,4 +273,48 @@ async fn one_run_s_burst_does_not_starve_another() {
     }
     assert!(at.is_some());
     assert_eq!(fake.api.count(), 13);
+}
+
+/// Two replicas on PostgreSQL share each account's budget: fifteen callers on each, and
+/// together they stay under the API's limit (it refuses none), every write landing once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_on_postgres_share_the_budget() {
+    let Some(pg) = common::pg::PgServer::start().await else {
+        return;
+    };
+    let fake = limited(20, Duration::from_secs(2), false).await;
+    let store = format!(
+        "url = {}\nscope_secret = \"pace-replicas-share-this-secret\"\n",
+        common::proxy::toml_string(&pg.url)
+    );
+    let pace = r#"{ rate = 20, per = "2s", max_wait = "60s" }"#;
+    let text = config(&fake.api, pace, &store);
+    let replicas = [
+        Arc::new(TestProxy::start(&text).await),
+        Arc::new(TestProxy::start(&text).await),
+    ];
+    let mut callers = Vec::new();
+    for c in 0..30 {
+        let proxy = replicas[c % 2].clone();
+        callers.push(tokio::spawn(async move {
+            write(
+                &proxy,
+                &format!(r#"{{"replica":{},"caller":{c}}}"#, c % 2),
+                None,
+            )
+            .await
+        }));
+    }
+    for c in callers {
+        let r = c.await.expect("the caller ran");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(
+        fake.refused.load(Ordering::SeqCst),
+        0,
+        "the API refused none"
+    );
+    let accepted = fake.accepted.lock().unwrap().clone();
+    let distinct: HashSet<&String> = accepted.iter().collect();
+    assert_eq!((accepted.len(), distinct.len()), (30, 30));
 }

@@ -1134,3 +1134,26 @@ async fn sqlite_syncs_the_wal_beside_a_symlinked_database_target() {
     assert!(open.contains(&wal), "SQLite's WAL is not open: {open:?}");
     s.close().await;
 }
+
+/// An account's rate-limit budget claimed by two replicas: together they are granted no more
+/// than the limit in the window, and a claim with no room says how long until one fits.
+#[tokio::test]
+async fn postgres_replicas_share_a_rate_limit_budget() {
+    let Some(pg) = PgServer::start().await else {
+        return;
+    };
+    let (a, b) = (shared(&pg.url).await, shared(&pg.url).await);
+    let window = Duration::from_secs(60);
+    let claim = |s: &Arc<dyn idemproxy::store::Shared>, want| {
+        let s = s.clone();
+        async move { s.claim_sends("api", "k1:s", want, 3, window).await.unwrap() }
+    };
+    assert_eq!(claim(&a, 2).await.0, 2);
+    assert_eq!(claim(&b, 2).await.0, 1, "one left for the other replica");
+    let (none, wait) = claim(&a, 1).await;
+    assert_eq!(none, 0);
+    assert!(wait > Duration::from_secs(50) && wait <= window, "{wait:?}");
+    // Another account has its own budget.
+    let other = b.claim_sends("api", "k1:t", 3, 3, window).await.unwrap();
+    assert_eq!(other.0, 3);
+}

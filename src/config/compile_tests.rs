@@ -326,3 +326,21 @@ fn derive_lists_windows_and_stamps() {
     );
     assert!(first_error(&native).contains("native_idempotency_header"));
 }
+
+#[test]
+fn pace_budgets_are_checked() {
+    let up = |pace: &str| {
+        format!("[server]\nlisten = \"127.0.0.1:0\"\n[upstreams.api]\nurl = \"http://127.0.0.1:9\"\nprefix = \"/api\"\npace = {pace}\n")
+    };
+    let cfg = compile_str(&up(r#"{ rate = 100, per = "10s" }"#)).unwrap();
+    let b = cfg.upstreams[0].pace.expect("a budget");
+    assert_eq!((b.rate.limit, b.rate.burst), (100, 100));
+    assert_eq!(
+        (b.rate.per, b.max_wait),
+        (Duration::from_secs(10), Duration::from_secs(30))
+    );
+    assert!(first_error(&up("{ rate = 0 }")).contains("1 or more"));
+    assert!(first_error(&up(r#"{ rate = 5, per = "2d" }"#)).contains("to a day"));
+    assert!(first_error(&up(r#"{ rate = 5, max_wait = "1h" }"#)).contains("at most"));
+    assert!(first_error(&up("{ rate = 5, burst = -1 }")).contains("pace.burst"));
+}

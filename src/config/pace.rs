@@ -22,6 +22,9 @@ pub struct Budget {
     pub max_wait: Duration,
 }
 
+/// Longest `per`: a day (HubSpot's daily limit); the shared store drops sends older than that.
+const MOST_PER: Duration = Duration::from_secs(86_400);
+
 /// Longest `max_wait`: a request waits with its key's slot held, and its client waits too.
 const MOST_WAIT: Duration = Duration::from_secs(300);
 
@@ -44,11 +47,9 @@ pub(super) fn budget(
     };
     let limit = count(cx, &p.rate, "rate")?;
     let per = cx.dur(&p.per, Duration::from_secs(1));
-    if per.is_zero() {
-        cx.err(
-            sp.span(),
-            format!("upstream {name:?}: pace.per is a window, e.g. \"10s\""),
-        );
+    if per.is_zero() || per > MOST_PER {
+        let why = "is a window from a millisecond to a day, e.g. \"10s\"";
+        cx.err(sp.span(), format!("upstream {name:?}: pace.per {why}"));
         return None;
     }
     let burst = match &p.burst {

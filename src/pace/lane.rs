@@ -11,6 +11,7 @@
 //! all sixty. A dispatcher task runs while anyone waits: it sleeps until the next token (or the
 //! end of a pause the API asked for) and hands tokens out.
 
+use crate::store::Shared;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -36,6 +37,16 @@ pub enum Turn {
 
 pub struct Lane {
     state: Mutex<State>,
+    /// Where the account's sends are counted with every other replica's (PostgreSQL): each
+    /// send also needs a credit claimed there.
+    ledger: Option<Ledger>,
+}
+
+/// An account's budget in the store several replicas share.
+pub struct Ledger {
+    pub store: Arc<dyn Shared>,
+    pub upstream: String,
+    pub scope: String,
 }
 
 struct State {
@@ -54,6 +65,12 @@ struct State {
     queued: usize,
     /// A dispatcher task runs.
     dispatching: bool,
+    /// Shared lanes: sends claimed in the store and not yet made, good until `credits_until`
+    /// (a claim counts its sends at the database's time: one made much later would not be
+    /// counted where it happened).
+    credits: u32,
+    credits_until: Instant,
+    shared: bool,
 }
 
 impl State {
@@ -99,16 +116,23 @@ impl State {
         self.sent.len() - old
     }
 
-    /// Whether one more may go now.
-    fn may_go(&mut self, now: Instant) -> bool {
+    /// Whether this process's own count lets one more go now.
+    fn locally(&mut self, now: Instant) -> bool {
         self.paused(now).is_none()
             && self.tokens >= 1.0
             && self.in_window(now) < self.rate().limit as usize
     }
 
+    /// Whether one more may go now: by this process's count, and on a shared lane by a
+    /// credit claimed in the store.
+    fn may_go(&mut self, now: Instant) -> bool {
+        self.locally(now) && (!self.shared || (self.credits > 0 && now < self.credits_until))
+    }
+
     fn spend(&mut self, now: Instant) {
         self.tokens -= 1.0;
         self.sent.push_back(now);
+        self.credits = self.credits.saturating_sub(1);
     }
 
     fn paused(&self, now: Instant) -> Option<Duration> {
@@ -163,8 +187,11 @@ impl State {
 }
 
 impl Lane {
-    pub fn new(rate: Rate) -> Arc<Lane> {
+    pub fn new(rate: Rate, ledger: Option<Ledger>) -> Arc<Lane> {
+        let now = Instant::now();
+        let shared = ledger.is_some();
         Arc::new(Lane {
+            ledger,
             state: Mutex::new(State {
                 configured: rate,
                 learned: None,
@@ -176,6 +203,9 @@ impl Lane {
                 turns: VecDeque::new(),
                 queued: 0,
                 dispatching: false,
+                credits: 0,
+                credits_until: now,
+                shared,
             }),
         })
     }
@@ -214,10 +244,11 @@ impl Lane {
         Turn::Queued(rx)
     }
 
-    /// Hands tokens to waiters as they come, until nobody waits.
+    /// Hands tokens to waiters as they come, until nobody waits; on a shared lane, claims
+    /// credits in the store for the waiters when this process's count would let them go.
     async fn dispatch(self: Arc<Self>) {
         loop {
-            let next = {
+            let (claim, next) = {
                 let now = Instant::now();
                 let mut s = self.state();
                 s.refill(now);
@@ -232,12 +263,49 @@ impl Lane {
                     s.dispatching = false;
                     return;
                 }
-                s.time_for(1, now).max(Duration::from_millis(1))
+                let rate = s.rate();
+                let want = (s.queued as u32)
+                    .max(rate.limit / 20)
+                    .clamp(1, rate.limit.max(1));
+                let claim = (s.shared && s.locally(now)).then_some((want, rate));
+                (claim, s.time_for(1, now).max(Duration::from_millis(1)))
             };
-            tokio::time::sleep(next).await;
+            let next = match (claim, &self.ledger) {
+                (Some((want, rate)), Some(ledger)) => self.claim(ledger, want, rate).await,
+                _ => next,
+            };
+            if !next.is_zero() {
+                tokio::time::sleep(next).await;
+            }
         }
     }
 
+    /// Claims up to `want` sends in the shared store; how long to sleep before trying again
+    /// (zero: credits came). When the store fails, this process's own count decides: the
+    /// waiters go by it rather than wait for a store that may not come back.
+    async fn claim(&self, ledger: &Ledger, want: u32, rate: Rate) -> Duration {
+        let window = rate.per + rate.per / 20;
+        let claimed = ledger
+            .store
+            .claim_sends(&ledger.upstream, &ledger.scope, want, rate.limit, window)
+            .await;
+        let now = Instant::now();
+        let good_for = (rate.per / 20).max(Duration::from_millis(10));
+        let mut s = self.state();
+        let (granted, wait) = match claimed {
+            Ok(got) => got,
+            Err(e) => {
+                tracing::warn!(upstream = %ledger.upstream, error = %e, "cannot claim rate-limit credits in the store; pacing by this process's count alone");
+                (want, Duration::ZERO)
+            }
+        };
+        s.credits = granted;
+        s.credits_until = now + good_for;
+        match granted {
+            0 => wait.max(Duration::from_millis(5)),
+            _ => Duration::ZERO,
+        }
+    }
     /// The API said how many requests are left in its window: no more go before it refills.
     pub fn remaining(&self, left: u32) {
         let mut s = self.state();

@@ -56,13 +56,16 @@ type Lanes = HashMap<String, Arc<Lane>, ahash::RandomState>;
 pub struct Pacer {
     lanes: Mutex<HashMap<String, Lanes>>,
     metrics: Metrics,
+    /// The store replicas share (PostgreSQL): every account's sends are counted there too.
+    shared: Option<Arc<dyn crate::store::Shared>>,
 }
 
 impl Pacer {
-    pub fn new(metrics: Metrics) -> Pacer {
+    pub fn new(metrics: Metrics, shared: Option<Arc<dyn crate::store::Shared>>) -> Pacer {
         Pacer {
             lanes: Mutex::default(),
             metrics,
+            shared,
         }
     }
 
@@ -79,7 +82,12 @@ impl Pacer {
         if lanes.len() >= MOST_LANES {
             lanes.retain(|_, l| l.load().0 > 0);
         }
-        let lane = Lane::new(budget.rate);
+        let ledger = self.shared.clone().map(|store| lane::Ledger {
+            store,
+            upstream: upstream.name.clone(),
+            scope: scope.to_owned(),
+        });
+        let lane = Lane::new(budget.rate, ledger);
         lanes.insert(scope.to_owned(), lane.clone());
         lane
     }

@@ -121,12 +121,14 @@ impl Server {
             purge_every,
             background_stop.clone(),
         ));
+        // Each account's budget; on PostgreSQL counted with every replica's sends.
+        let pacer = Arc::new(crate::pace::Pacer::new(stats.pace.clone(), shared.clone()));
         let state = AppState {
             config: config.clone(),
             store,
             shared,
             replay,
-            pacer: Arc::new(crate::pace::Pacer::new(stats.pace.clone())),
+            pacer,
             auditor,
             clients,
             key_locks: LockTable::new(),

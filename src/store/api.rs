@@ -184,6 +184,17 @@ pub trait Shared: Send + Sync + 'static {
     /// it. `false`: it is no longer in flight at that epoch, so read it again instead of
     /// waiting.
     async fn watch_key(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool>;
+    /// Claims up to `want` sends of one account's rate-limit budget (`limit` in any
+    /// `window`), for every replica together: how many were granted, and when none was, about
+    /// how long until one fits.
+    async fn claim_sends(
+        &self,
+        upstream: &str,
+        scope: &str,
+        want: u32,
+        limit: u32,
+        window: Duration,
+    ) -> StoreResult<(u32, Duration)>;
 }
 
 /// An open store, and its shared part when it has one.

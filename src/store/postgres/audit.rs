@@ -89,6 +89,10 @@ pub async fn purge(pool: &PgPool, batch: i64, released_before: i64) -> StoreResu
         // (migration `0011`). The walk stops at the batch size, and most leases are free.
         ("DELETE FROM idem_entity_leases WHERE entity = ANY(ARRAY(SELECT entity FROM idem_entity_leases \
           WHERE owner IS NULL AND lease_until < $1 LIMIT $2 FOR UPDATE SKIP LOCKED))", now),
+        // Rate-limit sends of accounts gone quiet (a claim drops its own account's old ones):
+        // a day is past any API's window.
+        ("DELETE FROM idem_pace_sends WHERE ctid = ANY(ARRAY(SELECT ctid FROM idem_pace_sends \
+          WHERE at < $1 LIMIT $2))", now - 86_400_000),
     ];
     for (sql, before) in by_time {
         n += sqlx::query(sql)

@@ -25,6 +25,7 @@ mod leases;
 mod locks;
 mod meta;
 mod operator;
+mod pace;
 
 use super::notify::{entity_topic, key_topic, Hub, RELEASED_PREFIX};
 use super::*;
