@@ -15,29 +15,52 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// Which rate-limit headers the fake sends on every answer.
+#[derive(Clone, Copy, PartialEq)]
+enum Headers {
+    /// None (a `429` still carries `Retry-After`).
+    Quiet,
+    /// `X-HubSpot-RateLimit-Max`, `-Remaining`, `-Interval-Milliseconds`.
+    HubSpot,
+    /// Zendesk's `X-Rate-Limit` (a minute's) and `X-Rate-Limit-Remaining`.
+    Zendesk,
+}
+
 /// A fake API allowing `limit` requests per `window` (fixed windows from its first request),
-/// answering `429` with `Retry-After` past it, and HubSpot's rate-limit headers on every answer
-/// (unless `quiet`). Counts accepted and refused requests.
+/// answering `429` with `Retry-After` past it, and the rate-limit headers of `style` on every
+/// answer. Counts accepted and refused requests.
 struct Limited {
     api: RecordingUpstream,
     refused: Arc<AtomicUsize>,
     accepted: Arc<Mutex<Vec<String>>>,
 }
 
-fn window_headers(reply: Reply, limit: usize, left: usize, window: Duration, quiet: bool) -> Reply {
-    if quiet {
-        return reply;
+fn window_headers(
+    reply: Reply,
+    limit: usize,
+    left: usize,
+    window: Duration,
+    style: Headers,
+) -> Reply {
+    match style {
+        Headers::Quiet => reply,
+        Headers::HubSpot => reply
+            .header("x-hubspot-ratelimit-max", &limit.to_string())
+            .header("x-hubspot-ratelimit-remaining", &left.to_string())
+            .header(
+                "x-hubspot-ratelimit-interval-milliseconds",
+                &window.as_millis().to_string(),
+            ),
+        Headers::Zendesk => {
+            let per_minute = limit as u128 * 60_000 / window.as_millis();
+            reply
+                .header("x-rate-limit", &per_minute.to_string())
+                .header("x-rate-limit-remaining", &left.to_string())
+        }
     }
-    reply
-        .header("x-hubspot-ratelimit-max", &limit.to_string())
-        .header("x-hubspot-ratelimit-remaining", &left.to_string())
-        .header(
-            "x-hubspot-ratelimit-interval-milliseconds",
-            &window.as_millis().to_string(),
-        )
 }
 
-async fn limited(limit: usize, window: Duration, quiet: bool) -> Limited {
+async fn limited(limit: usize, window: Duration, style: Headers) -> Limited {
     let refused = Arc::new(AtomicUsize::new(0));
     let accepted: Arc<Mutex<Vec<String>>> = Arc::default();
     let (r, a) = (refused.clone(), accepted.clone());
@@ -55,12 +78,12 @@ async fn limited(limit: usize, window: Duration, quiet: bool) -> Limited {
                 let reply =
                     Reply::json(429, &json!({"status": "error", "category": "RATE_LIMITS"}))
                         .header("retry-after", "1");
-                return window_headers(reply, limit, 0, window, quiet);
+                return window_headers(reply, limit, 0, window, style);
             }
             c.2 += 1;
             a.lock().unwrap().push(rec.body_text());
             let reply = Reply::json(200, &json!({"ok": true, "n": c.2}));
-            window_headers(reply, limit, limit - c.2, window, quiet)
+            window_headers(reply, limit, limit - c.2, window, style)
         })
         .start()
         .await;
@@ -117,7 +140,7 @@ async fn read(proxy: &TestProxy) -> Resp {
 /// seconds: no `429` reaches a caller, the API refuses nothing, and every write lands once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn thirty_callers_share_the_budget_and_every_write_lands_once() {
-    let fake = limited(20, Duration::from_secs(2), false).await;
+    let fake = limited(20, Duration::from_secs(2), Headers::HubSpot).await;
     let proxy = proxy(&fake.api, r#"{ rate = 20, per = "2s", max_wait = "60s" }"#).await;
     let proxy = Arc::new(proxy);
     let mut callers = Vec::new();
@@ -148,11 +171,37 @@ async fn thirty_callers_share_the_budget_and_every_write_lands_once() {
     assert_eq!((writes.len(), distinct.len()), (60, 60), "each write once");
 }
 
+/// The same against a Zendesk-like API (a minute's `X-Rate-Limit`, `Retry-After` on its
+/// `429`), paced at its rate: thirty callers, nothing refused, every write once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zendesk_like_api_refuses_none_of_thirty_callers() {
+    let fake = limited(20, Duration::from_secs(2), Headers::Zendesk).await;
+    let proxy = Arc::new(proxy(&fake.api, r#"{ rate = 20, per = "2s", max_wait = "60s" }"#).await);
+    let writes: Vec<_> = (0..30)
+        .map(|c| {
+            let proxy = proxy.clone();
+            tokio::spawn(async move { write(&proxy, &format!(r#"{{"caller":{c}}}"#), None).await })
+        })
+        .collect();
+    for w in writes {
+        let r = w.await.expect("the caller ran");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(
+        fake.refused.load(Ordering::SeqCst),
+        0,
+        "the API refused none"
+    );
+    let accepted = fake.accepted.lock().unwrap().clone();
+    let distinct: HashSet<&String> = accepted.iter().collect();
+    assert_eq!((accepted.len(), distinct.len()), (30, 30));
+}
+
 /// A request whose turn would come after `max_wait` is refused at once: `429 rate_limited`
 /// with `Retry-After`, in plain words, and nothing is sent.
 #[tokio::test]
 async fn a_turn_past_max_wait_is_refused_and_nothing_is_sent() {
-    let fake = limited(100, Duration::from_secs(60), true).await;
+    let fake = limited(100, Duration::from_secs(60), Headers::Quiet).await;
     let proxy = proxy(
         &fake.api,
         r#"{ rate = 1, per = "60s", burst = 1, max_wait = "2s" }"#,
@@ -187,7 +236,7 @@ async fn a_turn_past_max_wait_is_refused_and_nothing_is_sent() {
 /// API says two a minute, and the third request is refused rather than sent.
 #[tokio::test]
 async fn the_api_s_headers_tighten_the_budget_at_once() {
-    let fake = limited(2, Duration::from_secs(60), false).await;
+    let fake = limited(2, Duration::from_secs(60), Headers::HubSpot).await;
     let proxy = proxy(&fake.api, r#"{ rate = 100, per = "1s", max_wait = "2s" }"#).await;
     assert_eq!(write(&proxy, r#"{"n":1}"#, None).await.status, 200);
     assert_eq!(write(&proxy, r#"{"n":2}"#, None).await.status, 200);
@@ -230,7 +279,7 @@ async fn a_429_pauses_the_account_and_the_write_goes_once_more() {
 /// among the next few, not after all twelve.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_run_s_burst_does_not_starve_another() {
-    let fake = limited(1000, Duration::from_secs(60), true).await;
+    let fake = limited(1000, Duration::from_secs(60), Headers::Quiet).await;
     let proxy = Arc::new(
         proxy(
             &fake.api,
@@ -282,7 +331,7 @@ async fn two_replicas_on_postgres_share_the_budget() {
     let Some(pg) = common::pg::PgServer::start().await else {
         return;
     };
-    let fake = limited(20, Duration::from_secs(2), false).await;
+    let fake = limited(20, Duration::from_secs(2), Headers::HubSpot).await;
     let store = format!(
         "url = {}\nscope_secret = \"pace-replicas-share-this-secret\"\n",
         common::proxy::toml_string(&pg.url)
