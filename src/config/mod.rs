@@ -10,6 +10,7 @@ mod compiler;
 pub mod egress;
 pub mod pace;
 pub mod raw;
+mod route_parts;
 mod route_types;
 mod routes;
 mod side_reads;
