@@ -16,6 +16,7 @@ mod routes;
 mod side_reads;
 mod store;
 pub mod units;
+mod upstreams;
 
 pub use crate::key::FingerprintRule;
 pub use crate::redact::redact_url;
