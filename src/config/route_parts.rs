@@ -117,7 +117,7 @@ pub(super) fn key_rule(
                 format!("route {name:?}: key.window must be longer than zero"),
             );
         }
-        if !rule.derive.iter().any(super::routes::intent_only) {
+        if !rule.derive.iter().any(intent_only) {
             cx.err(span.clone(), format!("route {name:?}: key.window applies to keys derived from the intent alone, and no key.derive template is (each reads a header)"));
         }
         // The upstream would replay the earlier action's answer under the same key.
@@ -276,4 +276,10 @@ fn derive_list(cx: &mut Compiler, name: &str, d: &Spanned<toml::Value>) -> Vec<S
         );
         Vec::new()
     })
+}
+
+/// A derive template that reads no header: the key is the intent alone (route, entity,
+/// fingerprint, body fields), so the same call from anyone, at any time, makes it.
+pub fn intent_only(t: &Template) -> bool {
+    !t.uses(|s| matches!(s, Source::Header(_)))
 }

@@ -165,9 +165,3 @@ impl Route {
             .chain(reconcile)
     }
 }
-
-/// A derive template that reads no header: the key is the intent alone (route, entity,
-/// fingerprint, body fields), so the same call from anyone, at any time, makes it.
-pub fn intent_only(t: &Template) -> bool {
-    !t.uses(|s| matches!(s, Source::Header(_)))
-}
