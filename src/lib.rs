@@ -23,7 +23,11 @@
 //! - [`pipeline`]: the protected-request pipeline, SPEC.md's seven steps in seven files —
 //!   prepare, lookup, lock, checks, reserve, forward, store — over one request context and one
 //!   typed outcome; beside them, observe mode, the reads sent on a request's behalf (precheck,
-//!   reconcile) and the reconcile of unknown outcomes.
+//!   reconcile), the reconcile of unknown outcomes, and each request's turn in its account's
+//!   rate-limit budget (`pipeline::pace`).
+//! - [`pace`]: each API's rate limit kept per account: a budget per credential scope (a send
+//!   log and a bucket, a fair queue of callers), learned from the API's headers, paused by its
+//!   `429`s, shared by replicas through the store on PostgreSQL.
 //! - [`upstream`]: the upstream side: pooled clients (rustls, per-upstream trust roots), header
 //!   hygiene, the call of a protected request and its outcome table, passthrough streaming.
 //! - [`config`]: `proxy.toml`, parsed and validated into compiled types at load.

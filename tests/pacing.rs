@@ -124,6 +124,20 @@ async fn write(proxy: &TestProxy, body: &str, run: Option<&str>) -> Resp {
     send(build_bytes("POST", &url, &headers, body)).await
 }
 
+/// Every caller was answered `200`, the API refused none, and it accepted each write once.
+async fn each_write_once(fake: &Limited, callers: Vec<tokio::task::JoinHandle<Resp>>) {
+    let n = callers.len();
+    for c in callers {
+        let r = c.await.expect("the caller ran");
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let refused = fake.refused.load(Ordering::SeqCst);
+    assert_eq!(refused, 0, "the API refused none");
+    let accepted = fake.accepted.lock().unwrap().clone();
+    let distinct: HashSet<&String> = accepted.iter().collect();
+    assert_eq!((accepted.len(), distinct.len()), (n, n));
+}
+
 /// A read with the same credential as the writes (the same account).
 async fn read(proxy: &TestProxy) -> Resp {
     let url = proxy.url("/api/v1/things/1");
@@ -183,18 +197,7 @@ async fn a_zendesk_like_api_refuses_none_of_thirty_callers() {
             tokio::spawn(async move { write(&proxy, &format!(r#"{{"caller":{c}}}"#), None).await })
         })
         .collect();
-    for w in writes {
-        let r = w.await.expect("the caller ran");
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
-    assert_eq!(
-        fake.refused.load(Ordering::SeqCst),
-        0,
-        "the API refused none"
-    );
-    let accepted = fake.accepted.lock().unwrap().clone();
-    let distinct: HashSet<&String> = accepted.iter().collect();
-    assert_eq!((accepted.len(), distinct.len()), (30, 30));
+    each_write_once(&fake, writes).await;
 }
 
 /// A request whose turn would come after `max_wait` is refused at once: `429 rate_limited`
@@ -354,16 +357,5 @@ async fn two_replicas_on_postgres_share_the_budget() {
             .await
         }));
     }
-    for c in callers {
-        let r = c.await.expect("the caller ran");
-        assert_eq!(r.status, 200, "{}", r.text());
-    }
-    assert_eq!(
-        fake.refused.load(Ordering::SeqCst),
-        0,
-        "the API refused none"
-    );
-    let accepted = fake.accepted.lock().unwrap().clone();
-    let distinct: HashSet<&String> = accepted.iter().collect();
-    assert_eq!((accepted.len(), distinct.len()), (30, 30));
+    each_write_once(&fake, callers).await;
 }
