@@ -3,8 +3,9 @@
 
 use super::body_read::BodyRead;
 use super::readable::{readable, wildcard_host};
+use super::request_parts::{self as parts, KeyPlan, KeySource, ReconcileRead};
 use super::side_read;
-use crate::config::{Expected, Reconcile, Route, Upstream};
+use crate::config::{Route, Upstream};
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
 use crate::key;
 use crate::rules::body::{self, BodyKind};
@@ -12,20 +13,6 @@ use crate::rules::template::RequestView;
 use crate::store::ScopedKey;
 use bytes::Bytes;
 use http::{HeaderMap, Method};
-use serde_json::Value;
-
-/// Most entities one request may lock.
-pub const MAX_ENTITIES: usize = 100;
-/// Longest entity name kept as is; longer ones are hashed.
-pub const MAX_ENTITY_LEN: usize = 200;
-
-/// Where the key came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum KeySource {
-    #[default]
-    Header,
-    Derived,
-}
 
 /// A protected request, evaluated.
 #[derive(Debug, Default)]
@@ -51,27 +38,6 @@ pub struct Prepared {
     pub stamped: bool,
     /// The workflow id header's value (`server.workflow_header`), for the audit trail.
     pub workflow: Option<String>,
-}
-
-/// A request's reconcile read: the path, and the value each of the route's `expect` fields
-/// must hold (in the route's order).
-#[derive(Debug, Default)]
-pub struct ReconcileRead {
-    pub path: String,
-    pub expect: Vec<Value>,
-    /// The read whose body answers a found write (`reconcile.answer_path`).
-    pub answer_path: Option<String>,
-}
-
-/// What to do with a mutating request, decided before its body is read.
-pub enum KeyPlan {
-    /// A client key from the header (already validated).
-    Header(String),
-    /// No client key (or an SDK's random one, kept as a fallback should the derivation lack a
-    /// field): derive one from the template once the body is known.
-    Derive(Option<String>),
-    /// No key and none required: forward unprotected, streamed.
-    Unprotected,
 }
 
 /// Reads the client's key, if the route takes one: decided before the body is buffered so an
@@ -155,24 +121,7 @@ pub fn prepare(
             ),
         ));
     }
-    // A stamped body must take the stamp, or the key is refused before anything is reserved.
-    let mut stamped = false;
-    if let Some(field) = &route.stamp {
-        let theirs = parsed
-            .as_ref()
-            .is_some_and(|b| field.values(b).iter().any(|v| !v.is_null()));
-        stamped = !theirs;
-        let fits = kind == BodyKind::Json && parsed.as_ref().is_some_and(|b| field.settable(b));
-        if !fits {
-            return Err(ProxyError::new(
-                ErrorKind::BodyInvalid,
-                format!(
-                    "route {} stamps its key into body.{field}: the body must be a JSON object with room for it",
-                    route.name
-                ),
-            ));
-        }
-    }
+    let stamped = parts::stamped(route, kind, parsed.as_ref())?;
     let kind = if parsed.is_some() {
         kind
     } else {
@@ -198,103 +147,16 @@ pub fn prepare(
         entity: None,
         fingerprint: Some(&fingerprint),
     };
-    let entities = match &route.entity {
-        None => Vec::new(),
-        Some(t) => {
-            let e = t.eval(&view).map_err(|field| {
-                ProxyError::new(
-                    ErrorKind::EntityMissing,
-                    format!(
-                        "the entity needs {{{field}}}, which the request lacks{}",
-                        read.note(&field)
-                    ),
-                )
-            })?;
-            // Long names (an id field someone filled with a document) become their hash, so
-            // every store can index them; the count is bounded, as every entity is a lock.
-            let mut e: Vec<String> = e
-                .into_iter()
-                .map(|name| key::bounded(name, MAX_ENTITY_LEN))
-                .collect();
-            e.sort();
-            e.dedup();
-            if e.len() > MAX_ENTITIES {
-                return Err(ProxyError::new(
-                    ErrorKind::BodyInvalid,
-                    format!("the request names {} entities; at most {MAX_ENTITIES} are locked for one write", e.len()),
-                ));
-            }
-            e
-        }
-    };
+    let entities = parts::entities(route, &view, &read)?;
     let joined = entities.join(",");
     view.entity = (!entities.is_empty()).then_some(joined.as_str());
-    let (key, key_source, window) = match plan {
-        KeyPlan::Header(k) => (k, KeySource::Header, None),
-        KeyPlan::Derive(fallback) => match (derive(route, &view), fallback) {
-            (Ok((raw, window)), _) => (key::normalize_derived(raw), KeySource::Derived, window),
-            // The request still carries the SDK's own key: better than refusing it.
-            (Err(_), Some(k)) => (k, KeySource::Header, None),
-            (Err(field), None) => {
-                return Err(ProxyError::new(
-                    ErrorKind::KeyMissing,
-                    format!(
-                        "the key is derived from {{{field}}}, which the request lacks{}",
-                        read.note(&field)
-                    ),
-                ))
-            }
-        },
-        KeyPlan::Unprotected => {
-            return Err(ProxyError::new(
-                ErrorKind::KeyMissing,
-                format!("route {} takes no key", route.name),
-            ))
-        }
-    };
-    let version = match &route.version {
-        None => None,
-        Some(t) => {
-            let text = t.eval_one(&view).map_err(|field| {
-                ProxyError::new(
-                    ErrorKind::VersionMissing,
-                    format!(
-                        "the version needs {{{field}}}, which the request lacks{}",
-                        read.note(&field)
-                    ),
-                )
-                .with_key(&key)
-            })?;
-            Some(text.trim().parse::<i64>().map_err(|_| {
-                ProxyError::new(
-                    ErrorKind::VersionMissing,
-                    format!("the version {text:?} is not an integer"),
-                )
-                .with_key(&key)
-            })?)
-        }
-    };
+    let (key, key_source, window) = parts::key(route, plan, &view, &read)?;
+    let version = parts::version(route, &view, &read, &key)?;
     let precheck_path = match &route.precheck {
         None => None,
         Some(pc) => Some(side_read::eval_path(&pc.path, &view, "precheck", &key)?),
     };
-    // A read names one object: a batch of several (`{body.inputs[*].id}` with two ids) is
-    // not reconciled, as one object found says nothing of the others.
-    // A field of `unless` in the body: not reconciled.
-    let present = |p: &crate::rules::body::BodyPath| {
-        parsed
-            .as_ref()
-            .is_some_and(|b| p.values(b).iter().any(|v| !v.is_null()))
-    };
-    let excluded = |rc: &Reconcile| rc.unless.iter().any(present);
-    let reconcile = match &route.reconcile {
-        Some(rc) if excluded(rc) => None,
-        Some(rc) if stamped || !rc.uses_stamp() => match rc.path.eval(&view).map(|v| v.len()) {
-            Ok(n) if n > 1 => None,
-            _ => Some(reconcile_read(rc, &view, &key)?),
-        },
-        _ => None,
-    };
+    let reconcile = parts::reconcile(route, &view, parsed.as_ref(), stamped, &key)?;
     let id = ScopedKey::new(
         upstream.name.clone(),
         scoper.scope_at(
@@ -327,73 +189,5 @@ pub fn prepare(
         reconcile,
         stamped,
         workflow: None,
-    })
-}
-
-/// The key from the first derive template whose every field the request has, and the window
-/// it is kept for when that template is the intent alone. `Err`: the first template's missing
-/// field (the one a caller is told to send).
-fn derive(
-    route: &Route,
-    view: &RequestView<'_>,
-) -> Result<(String, Option<std::time::Duration>), String> {
-    let mut first_missing = None;
-    for t in &route.key.derive {
-        match t.eval_one(view) {
-            Ok(raw) => {
-                let window = route.key.window.filter(|_| crate::config::intent_only(t));
-                return Ok((raw, window));
-            }
-            Err(field) => {
-                first_missing.get_or_insert(field);
-            }
-        }
-    }
-    Err(first_missing.unwrap_or_else(|| format!("route {} has no way to make a key", route.name)))
-}
-
-/// The reconcile read of this request: its path, and its expectations evaluated over the
-/// original request. A retry has the same fingerprint, and expectations never read what the
-/// fingerprint ignores (checked at load), so it asks the same question.
-fn reconcile_read(rc: &Reconcile, view: &RequestView<'_>, key: &str) -> ProxyResult<ReconcileRead> {
-    let path = side_read::eval_path(&rc.path, view, "reconcile", key)?;
-    let expect = rc
-        .expect
-        .iter()
-        .map(|(field, e)| match e {
-            Expected::Value(v) => Ok(v.clone()),
-            // One body field: its JSON value as the request sent it (an object: every field
-            // in it must hold), less what the fingerprint ignores.
-            Expected::Field { path, strip } => {
-                let value = view.body.and_then(|b| path.values(b).into_iter().next().cloned());
-                let mut value = value.filter(|v| !v.is_null()).ok_or_else(|| {
-                    ProxyError::new(
-                        ErrorKind::EntityMissing,
-                        format!("reconcile.expect {field} needs {{body.{path}}}, which the request lacks"),
-                    )
-                    .with_key(key)
-                })?;
-                strip.iter().for_each(|p| p.remove(&mut value));
-                Ok(value)
-            }
-            Expected::Template(t) => t.eval_one(view).map(Value::String).map_err(|missing| {
-                ProxyError::new(
-                    ErrorKind::EntityMissing,
-                    format!(
-                        "reconcile.expect {field} needs {{{missing}}}, which the request lacks"
-                    ),
-                )
-                .with_key(key)
-            }),
-        })
-        .collect::<ProxyResult<_>>()?;
-    let answer_path = match &rc.answer_path {
-        Some(t) => Some(side_read::eval_path(t, view, "reconcile answer", key)?),
-        None => None,
-    };
-    Ok(ReconcileRead {
-        path,
-        expect,
-        answer_path,
     })
 }

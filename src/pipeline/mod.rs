@@ -31,6 +31,7 @@ pub mod prepare;
 mod readable;
 mod reconcile;
 mod refusals;
+mod request_parts;
 mod reserve;
 mod side_read;
 mod store;

@@ -1,8 +1,9 @@
 //! Step 1: buffer the body once (within `max_body` and `body_timeout`), then evaluate key,
 //! fingerprint, entities and version ([`super::evaluate`]).
 
-pub use super::evaluate::{plan_key, prepare, Input, KeyPlan, KeySource, Prepared, ReconcileRead};
+pub use super::evaluate::{plan_key, prepare, Input, Prepared};
 use super::forward::Outgoing;
+pub use super::request_parts::{KeyPlan, KeySource, ReconcileRead};
 use super::Ctx;
 use crate::connection::RequestBody;
 use crate::error::{ErrorKind, ProxyError, ProxyResult};
