@@ -15,6 +15,7 @@ use crate::config::{Mode, Reconcile};
 use crate::error::ProxyError;
 use crate::rules::template::STAMP_MARK;
 use crate::store::{now_ms, KeyRecord, KeyState, StoredResponse, RECONCILED};
+use http::Method;
 use serde_json::Value;
 use std::sync::Arc;
 use std::time::Duration;
@@ -122,13 +123,13 @@ pub(super) async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
             other => other.clone(),
         })
         .collect();
-    let send = |path: String| async move {
+    let send = |method: Method, path: String| async move {
         let headers = &ctx.outgoing.headers;
-        side_read::read(&ctx.client, &rc.method, &path, headers, "reconcile").await
+        side_read::read(&ctx.client, &method, &path, headers, "reconcile").await
     };
     let work = async {
         tokio::time::sleep(wait).await;
-        let first = match send(path.clone()).await {
+        let first = match send(rc.method.clone(), path.clone()).await {
             Ok(first) => first,
             Err(e) => return (None, Verdict::Failed(e.message)),
         };
@@ -143,7 +144,8 @@ pub(super) async fn ask(ctx: &Ctx, wait: Duration) -> Verdict {
             return (status, verdict);
         };
         // The write happened; what cannot be read now leaves the key unknown, to ask again.
-        let verdict = match send(stamped(answer_path)).await {
+        // A GET whatever the first read was: a HEAD answers with no body.
+        let verdict = match send(Method::GET, stamped(answer_path)).await {
             Ok(a) if (200..300).contains(&a.status) => match answer(rc, a) {
                 Some(a) => Verdict::Found(a),
                 None => Verdict::Failed(format!("the write was found; its answer read {answer_path} lacks a field `answer` names")),
