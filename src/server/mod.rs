@@ -17,12 +17,12 @@
 //! [`crate::threads`], [`crate::state`], [`crate::reload`].
 
 pub mod accept;
+mod bind;
 pub mod egress;
 mod listener;
 pub mod router;
 pub mod shed;
 
-use crate::admin;
 use crate::audit::Auditor;
 use crate::config::Config;
 use crate::connection::{Http, RequestBody};
@@ -33,20 +33,18 @@ use crate::threads::ConnThreads;
 use crate::upstream::ProxyBody;
 use anyhow::Context;
 use http::{Request, Response};
-use router::Listener;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::connection::HEADER_READ_TIMEOUT;
-use listener::{serve, tls_acceptor, Serving};
+use listener::tls_acceptor;
 
 pub(super) type Handler = Arc<
     dyn Fn(Request<RequestBody>) -> Pin<Box<dyn Future<Output = Response<ProxyBody>> + Send>>
@@ -147,104 +145,24 @@ impl Server {
             Some(files) => Some(tls_acceptor(files)?),
             None => None,
         };
-        let cancel = CancellationToken::new();
-        let mut loops = Vec::new();
-        let http = Arc::new(Http::new(HEADER_READ_TIMEOUT, live.load().stats.parked()));
-
-        let main = bind(config.server.listen).await?;
-        let main_addr = main.local_addr()?;
-        tracing::info!(addr = %main_addr, tls = tls.is_some(), "listening on main listener");
-        crate::fault::serving();
         let limits = crate::server::accept::Limits {
             total: config.server.max_connections,
             per_ip: config.server.max_connections_per_ip,
         };
-        loops.push(serve(
-            main,
-            Serving::plain(tls.clone()),
-            proxy_handler(&live, Listener::Main),
+        let mut binder = bind::Binder {
+            http: Arc::new(Http::new(HEADER_READ_TIMEOUT, live.load().stats.parked())),
+            live: live.clone(),
             limits,
-            http.clone(),
-            cancel.clone(),
-            Some(threads.clone()),
-        ));
-
-        let mut upstream_addrs = BTreeMap::new();
-        for u in config.upstreams.iter().filter(|u| u.listen.is_some()) {
-            let l = bind(u.listen.unwrap_or(main_addr)).await?;
-            let addr = l.local_addr()?;
-            tracing::info!(upstream = %u.name, addr = %addr, "listening on upstream listener");
-            upstream_addrs.insert(u.name.clone(), addr);
-            loops.push(serve(
-                l,
-                Serving::plain(tls.clone()),
-                proxy_handler(&live, Listener::Upstream(u.clone())),
-                limits,
-                http.clone(),
-                cancel.clone(),
-                Some(threads.clone()),
-            ));
-        }
-
-        let egress_addr = match config.egress.listen {
-            Some(a) => {
-                for w in crate::config::egress::warnings(&config.upstreams) {
-                    tracing::warn!("{w}");
-                }
-                let ca = crate::ca::Authority::load(&config.egress.ca_cert, &config.egress.ca_key)?;
-                let egress = Arc::new(crate::server::egress::Egress { ca });
-                let l = bind(a).await?;
-                let addr = l.local_addr()?;
-                tracing::info!(addr = %addr, "listening on egress listener");
-                let live = live.clone();
-                let handler: Handler = Arc::new(move |req| {
-                    let (live, egress) = (live.clone(), egress.clone());
-                    Box::pin(async move { crate::server::egress::handle(live, egress, req).await })
-                });
-                let serving = Serving {
-                    tls: None,
-                    upgrades: true,
-                };
-                loops.push(serve(
-                    l,
-                    serving,
-                    handler,
-                    limits,
-                    http.clone(),
-                    cancel.clone(),
-                    None,
-                ));
-                Some(addr)
-            }
-            None => None,
+            cancel: CancellationToken::new(),
+            tls,
+            threads: threads.clone(),
+            loops: Vec::new(),
         };
-
-        let admin_addr = match config.server.admin_listen {
-            Some(a) => {
-                let l = bind(a).await?;
-                let addr = l.local_addr()?;
-                tracing::info!(addr = %addr, "listening on admin listener");
-                if !admin::admin_open(&state) {
-                    tracing::warn!(addr = %addr, "the admin listener is not on loopback and no admin_token is set: /admin/* is refused (403); /healthz, /readyz and /metrics are served. Set server.admin_token to use the admin API");
-                }
-                let live = live.clone();
-                let handler: Handler = Arc::new(move |req| {
-                    let live = live.clone();
-                    Box::pin(async move { admin::handle(live, req).await })
-                });
-                loops.push(serve(
-                    l,
-                    Serving::plain(None),
-                    handler,
-                    limits,
-                    http.clone(),
-                    cancel.clone(),
-                    None,
-                ));
-                Some(addr)
-            }
-            None => None,
-        };
+        let main_addr = binder.main(config.server.listen).await?;
+        let upstream_addrs = binder.upstreams(&config, main_addr).await?;
+        let egress_addr = binder.egress(&config).await?;
+        let admin_addr = binder.admin(&config, &state).await?;
+        let (cancel, loops) = (binder.cancel, binder.loops);
         tracing::info!(
             store = state.store.backend(),
             upstreams = config.upstreams.len(),
@@ -290,21 +208,6 @@ impl Server {
         let _ = tokio::task::spawn_blocking(move || threads.stop()).await;
         tracing::info!("stopped");
     }
-}
-
-async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
-    TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot listen on {addr}"))
-}
-
-/// Each request takes the state in force when it starts (see [`Live`]).
-fn proxy_handler(live: &Live, listener: Listener) -> Handler {
-    let live = live.clone();
-    Arc::new(move |req| {
-        let (state, listener) = (live.load_full(), listener.clone());
-        Box::pin(async move { router::handle(state, listener, req).await })
-    })
 }
 
 /// `SIGHUP` reloads the configuration file (see [`crate::reload`]).
