@@ -62,9 +62,13 @@ pub fn heard(status: u16, headers: Header<'_>) -> Heard {
     out
 }
 
+/// The longest window an answer can name: a day, as `pace.per` (a wrong header must not stop
+/// an account, nor keep a log of every send).
+const MOST_PER: Duration = Duration::from_secs(86_400);
+
 fn rate(limit: u64, per: Duration) -> Option<Rate> {
     let limit = u32::try_from(limit).ok().filter(|&l| l > 0)?;
-    (!per.is_zero()).then_some(Rate {
+    (!per.is_zero() && per <= MOST_PER).then_some(Rate {
         limit,
         per,
         burst: limit,
@@ -128,6 +132,15 @@ mod tests {
         );
         let junk = [("x-rate-limit", "-5"), ("retry-after", "soon")];
         assert_eq!(said(200, &junk), Heard::default());
+        let forever = [
+            ("x-hubspot-ratelimit-max", "1"),
+            ("x-hubspot-ratelimit-interval-milliseconds", "999999999999"),
+        ];
+        assert_eq!(
+            said(200, &forever).rate,
+            None,
+            "a window past a day is no hint"
+        );
         let reset = [("ratelimit-remaining", "0"), ("ratelimit-reset", "3")];
         assert_eq!(said(200, &reset).pause, Some(Duration::from_secs(3)));
     }
