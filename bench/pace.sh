@@ -13,16 +13,9 @@ work_dir pace
 need wrk nginx python3
 cargo build --release -q --bin idemproxy
 API=$(free_port); APP=$(free_port); PROXY=$(free_port); ADMIN=$(free_port)
-mkdir -p "$WORK/logs"
-# limit_req runs before the content phase: the limited server passes what it accepts to a
-# second one that answers (a `return` would answer before limit_req is asked).
-cat > "$WORK/nginx.conf" <<NGINX
-worker_processes 1;
-pid $WORK/nginx.pid;
-error_log $WORK/logs/error.log warn;
-events { worker_connections 4096; }
-http {
-  log_format api '\$msec \$status';
+# limit_req runs before the content phase: the limited server passes what it accepts to the
+# one start_nginx makes, which answers (a `return` would answer before limit_req is asked).
+start_nginx "$WORK" "$APP" "  log_format api '\$msec \$status';
   limit_req_zone \$server_name zone=api:1m rate=${RATE}r/s;
   server {
     listen 127.0.0.1:$API;
@@ -32,15 +25,7 @@ http {
       limit_req_status 429;
       proxy_pass http://127.0.0.1:$APP;
     }
-  }
-  server {
-    listen 127.0.0.1:$APP;
-    access_log off;
-    location / { default_type application/json; return 200 '{"id":"ch_1","status":"succeeded"}'; }
-  }
-}
-NGINX
-nginx -p "$WORK" -c "$WORK/nginx.conf"
+  }"
 UP=$API
 proxy_toml "$PROXY" "$ADMIN" "url = \"sqlite://$WORK/idemproxy.db\"" > "$WORK/proxy.toml"
 sed -i "/^\[upstreams.api\]$/a pace = { rate = $RATE, per = \"1s\", max_wait = \"30s\" }" "$WORK/proxy.toml"
