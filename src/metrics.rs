@@ -91,6 +91,8 @@ impl Drop for GaugeGuard {
 }
 
 impl Default for Stats {
+    /// One piece on purpose: every family and its help text in one list, in the order
+    /// `/metrics` serves them, so what the proxy exposes reads as one table.
     fn default() -> Self {
         let s = Stats {
             registry: Registry::default(),

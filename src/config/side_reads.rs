@@ -67,14 +67,50 @@ pub(super) fn reconcile(
         !r.expect.is_empty(),
         sp.span(),
     );
+    let (found, not_found) = found_statuses(cx, name, sp);
+    let answer_status = r.answer_status.as_ref().and_then(|s| {
+        let ok = u16::try_from(*s.get_ref())
+            .ok()
+            .filter(|c| (200..300).contains(c));
+        if ok.is_none() {
+            let msg = format!(
+                "reconcile.answer_status {} is not a 2xx status",
+                s.get_ref()
+            );
+            cx.err(s.span(), msg);
+        }
+        ok
+    });
+    Some(Reconcile {
+        method,
+        path,
+        found,
+        not_found,
+        answer_status,
+        after: reconcile_after(cx, name, &r.after),
+        expect: expectations(cx, name, r, check, ignored),
+        answer: r.answer.as_ref().and_then(|a| answer(cx, name, a)),
+        answer_path: r
+            .answer_path
+            .as_ref()
+            .and_then(|p| check(cx, "reconcile.answer_path", p, true, false)),
+        unless: unless_fields(cx, name, r),
+    })
+}
+
+/// `found` (default `[200]`, never empty) and `not_found` (default `[404]`; empty is
+/// meaningful: no answer releases the key, it is found or stays unknown), with no status in
+/// both.
+fn found_statuses(
+    cx: &mut Compiler,
+    name: &str,
+    sp: &Spanned<RawReconcile>,
+) -> (Vec<u16>, Vec<u16>) {
+    let r = sp.get_ref();
     let found = statuses(cx, &r.found).unwrap_or_else(|| vec![200]);
     if found.is_empty() {
-        cx.err(
-            sp.span(),
-            format!("route {name:?}: reconcile.found is empty: no answer could ever say the write happened"),
-        );
+        cx.err(sp.span(), format!("route {name:?}: reconcile.found is empty: no answer could ever say the write happened"));
     }
-    // Empty is meaningful: no answer releases the key (it is found, or stays unknown).
     let not_found = statuses(cx, &r.not_found).unwrap_or_else(|| vec![404]);
     if let Some(both) = found.iter().find(|s| not_found.contains(s)) {
         cx.err(
@@ -82,28 +118,24 @@ pub(super) fn reconcile(
             format!("route {name:?}: reconcile status {both} is in both found and not_found"),
         );
     }
-    let answer_status = r.answer_status.as_ref().and_then(|s| {
-        let ok = u16::try_from(*s.get_ref())
-            .ok()
-            .filter(|c| (200..300).contains(c));
-        if ok.is_none() {
-            cx.err(
-                s.span(),
-                format!(
-                    "reconcile.answer_status {} is not a 2xx status",
-                    s.get_ref()
-                ),
-            );
-        }
-        ok
-    });
+    (found, not_found)
+}
+
+/// `expect`: each body field of the read's answer and the value it must hold — as written, or
+/// a template over the original request (`"{body.properties.firstname}"`).
+fn expectations(
+    cx: &mut Compiler,
+    name: &str,
+    r: &RawReconcile,
+    check: &mut Check,
+    ignored: &[BodyPath],
+) -> Vec<(BodyPath, Expected)> {
     let mut expect = Vec::new();
     for (field, value) in &r.expect {
         let Some(path) = body_field(cx, "reconcile", field, value) else {
             continue;
         };
         let expected = match value.get_ref() {
-            // Text may name fields of the original request: `"{body.properties.firstname}"`.
             toml::Value::String(s) => {
                 let text = Spanned::new(value.span(), s.clone());
                 check(cx, "reconcile.expect", &text, true, false)
@@ -115,38 +147,27 @@ pub(super) fn reconcile(
             expect.push((path, e));
         }
     }
-    Some(Reconcile {
-        method,
-        path,
-        found,
-        not_found,
-        answer_status,
-        after: reconcile_after(cx, name, &r.after),
-        expect,
-        answer: r.answer.as_ref().and_then(|a| answer(cx, name, a)),
-        answer_path: r
-            .answer_path
-            .as_ref()
-            .and_then(|p| check(cx, "reconcile.answer_path", p, true, false)),
-        unless: r
-            .unless
-            .iter()
-            .flatten()
-            .filter_map(|u| {
-                let text = cx.s(u)?;
-                match text.strip_prefix("body.").map(BodyPath::parse) {
-                    Some(Ok(p)) => Some(p),
-                    _ => {
-                        cx.err(
-                            u.span(),
-                            format!("route {name:?}: reconcile.unless {text:?}: a body field, e.g. \"body.ticket.comment\""),
-                        );
-                        None
-                    }
-                }
-            })
-            .collect(),
-    })
+    expect
+}
+
+/// `unless`: body fields whose presence leaves a request unreconciled.
+fn unless_fields(cx: &mut Compiler, name: &str, r: &RawReconcile) -> Vec<BodyPath> {
+    let field = |cx: &mut Compiler, u: &Str| {
+        let text = cx.s(u)?;
+        match text.strip_prefix("body.").map(BodyPath::parse) {
+            Some(Ok(p)) => Some(p),
+            _ => {
+                let msg = format!("route {name:?}: reconcile.unless {text:?}: a body field, e.g. \"body.ticket.comment\"");
+                cx.err(u.span(), msg);
+                None
+            }
+        }
+    };
+    r.unless
+        .iter()
+        .flatten()
+        .filter_map(|u| field(cx, u))
+        .collect()
 }
 
 /// A template expectation, checked against `fingerprint.ignore`: retries of one write share a
