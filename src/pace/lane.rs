@@ -20,6 +20,14 @@ use tokio::time::Instant;
 
 pub use crate::config::pace::Rate;
 
+/// How long a send counts against the window: the window and a twenty-fifth more. A send
+/// reaches the API a little after its turn (its locks, its reservation), later for some than
+/// for others, and one that arrives past the API's window edge counts in the next window
+/// there. So at most `limit` go in any 1.04 × `per`: 96% of the limit, by design.
+pub fn counted(per: Duration) -> Duration {
+    per + per / 25
+}
+
 /// Tokens gained per second.
 fn per_second(r: &Rate) -> f64 {
     f64::from(r.limit) / r.per.as_secs_f64().max(1e-3)
@@ -92,16 +100,13 @@ impl State {
         self.refilled = now;
     }
 
-    /// Sends in the window ending now, once older ones are dropped. A send counts for its
-    /// window and a twentieth more: it reaches the API a little after its turn (locks, the
-    /// reservation), later for some than for others, and one that arrives past the API's
-    /// window edge counts in the next window there.
+    /// Sends in the window ending now, once older ones are dropped (see [`counted`]).
     fn in_window(&mut self, now: Instant) -> usize {
         let per = self
             .configured
             .per
             .max(self.learned.map_or(Duration::ZERO, |l| l.per));
-        let per = per + per / 20;
+        let per = counted(per);
         while self
             .sent
             .front()
@@ -109,7 +114,7 @@ impl State {
         {
             self.sent.pop_front();
         }
-        let window = self.rate().per + self.rate().per / 20;
+        let window = counted(self.rate().per);
         let old = self
             .sent
             .partition_point(|&t| now.saturating_duration_since(t) >= window);
@@ -157,7 +162,7 @@ impl State {
                 let first = self.sent.len() - in_window;
                 let (k, windows) = (j % limit, (j / limit) as u32);
                 let at = self.sent.get(first + k).copied().unwrap_or(now);
-                let window = rate.per + rate.per / 20;
+                let window = counted(rate.per);
                 (at + window).saturating_duration_since(now) + window * windows
             }
         };
@@ -284,13 +289,13 @@ impl Lane {
     /// (zero: credits came). When the store fails, this process's own count decides: the
     /// waiters go by it rather than wait for a store that may not come back.
     async fn claim(&self, ledger: &Ledger, want: u32, rate: Rate) -> Duration {
-        let window = rate.per + rate.per / 20;
+        let window = counted(rate.per);
         let claimed = ledger
             .store
             .claim_sends(&ledger.upstream, &ledger.scope, want, rate.limit, window)
             .await;
         let now = Instant::now();
-        let good_for = (rate.per / 20).max(Duration::from_millis(10));
+        let good_for = (counted(rate.per) - rate.per).max(Duration::from_millis(10));
         let mut s = self.state();
         let (granted, wait) = match claimed {
             Ok(got) => got,
