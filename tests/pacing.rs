@@ -233,6 +233,16 @@ async fn a_turn_past_max_wait_is_refused_and_nothing_is_sent() {
         2,
         "only the first, and the other account's read"
     );
+    // A credential the client names in `Connection` never reaches the API: that read is the
+    // credential-less account's, whose budget is spent.
+    let hidden: [(&str, &[u8]); 2] = [
+        ("authorization", b"Bearer app-2"),
+        ("connection", b"authorization"),
+    ];
+    let url = proxy.url("/api/v1/things/1");
+    let sneaked = send(build_bytes("GET", &url, &hidden, "")).await;
+    assert_eq!(sneaked.status, 429, "{}", sneaked.text());
+    assert_eq!(fake.api.count(), 2, "nothing more reached the API");
 }
 
 /// The API's own headers tighten the budget at once: configured for a hundred a second, the

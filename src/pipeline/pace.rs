@@ -69,13 +69,16 @@ pub(super) async fn again(ctx: &Ctx) -> ProxyResult<()> {
 pub async fn passthrough(
     state: &AppState,
     target: &Target<'_>,
-    req: Request<crate::connection::RequestBody>,
+    mut req: Request<crate::connection::RequestBody>,
 ) -> ProxyResult<Response<ProxyBody>> {
     let upstream = target.upstream;
     let client = state.client_for(target)?;
     if upstream.pace.is_none() {
         return crate::upstream::passthrough(&client, target, req).await;
     }
+    // The account is what the API sees: a credential the client names in `Connection` is
+    // never forwarded, so it must not pick another budget.
+    crate::upstream::strip_hop_by_hop(req.headers_mut());
     let host = super::readable::wildcard_host(upstream, target.host);
     let scope = state
         .scoper
