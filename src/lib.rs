@@ -38,14 +38,14 @@
 //! - [`store`]: the durable store, asked through narrow traits by who asks
 //!   (`store::api`: `Keys` — get, reserve, finish, renew, a `Ticket` from reserve to finish;
 //!   `EntityStates`; `Operator`; `AuditLog`; `Shared`, the cross-process part only
-//!   PostgreSQL has). SQLite (one process; its writes run by an engine that knows no tables,
-//!   `store::sqlite::engine` — a writer thread with group commit, its fsync pipelined on a
-//!   thread of its own, each commit's WAL frames written in one call, outcomes nobody waits
-//!   on taken into the next batch, its pace set by the load — and the request path's reads on
-//!   the caller's thread, `store::sqlite::reader`) and PostgreSQL (replicas, leases, NOTIFY;
-//!   statements batched, `store::postgres::batch` — entity leases too,
-//!   `store::postgres::leases` — and on connections kept between them,
-//!   `store::postgres::kept`). Beside the store, not in front of it: the replay cache
+//!   PostgreSQL has). Each backend's folder is SQL and jobs above a line, and an engine below
+//!   it that knows no table: SQLite (one process; `store::sqlite::engine` — a writer thread
+//!   with group commit, its fsync pipelined on a thread of its own, each commit's WAL frames
+//!   written in one call, outcomes nobody waits on taken into the next batch, its pace set by
+//!   the load; the audit file's thread; the read-only connections the request path reads
+//!   through on its own thread) and PostgreSQL (replicas, leases, NOTIFY;
+//!   `store::postgres::engine` — statements batched many requests a round trip, and
+//!   connections kept between statements). Beside the store, not in front of it: the replay cache
 //!   (`store::replay`, which the request path consults in so many words; it also holds the
 //!   answers given before their commit, which an operator's read waits for). Stored answers
 //!   are sealed at rest (`store::seal`, AES-256-GCM) when an encryption key is set; a key's

@@ -1,7 +1,8 @@
-//! The hot statements batched many requests per round trip (see [`super::batch`]), each named
+//! The hot statements batched many requests per round trip (see [`super::engine::batch`]), each named
 //! for what it does.
 
-use super::{batch, batched, leases, Clock};
+use super::engine::batch;
+use super::{batched, leases, Clock};
 use crate::store::{KeyRecord, Reservation, Reserved, ScopedKey, SharedCipher, StoreResult};
 use sqlx::PgPool;
 

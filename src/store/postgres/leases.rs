@@ -1,4 +1,4 @@
-//! The entity lease statements of many requests per round trip (see [`super::batch`]): every
+//! The entity lease statements of many requests per round trip (see [`super::engine::batch`]): every
 //! protected request on an entity route takes its entity's lease and releases it, and one
 //! statement each was a round trip and a transaction per request for PostgreSQL to wake for.
 //! Both run on lazily durable sessions (see `PgStore::lazy`): a lease taken is made durable by

@@ -15,11 +15,10 @@
 //!   skewed clocks still agree on who holds what.
 
 mod audit;
-mod batch;
 mod batched;
 mod batchers;
+mod engine;
 mod entities;
-mod kept;
 mod keys;
 mod leases;
 mod locks;
@@ -29,6 +28,7 @@ mod pace;
 
 use super::notify::{entity_topic, key_topic, Hub, RELEASED_PREFIX};
 use super::*;
+use engine::{batch, kept};
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
 use sqlx::{PgPool, Row};
 use std::str::FromStr;

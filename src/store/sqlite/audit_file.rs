@@ -1,10 +1,11 @@
-//! The audit trail's own file, `<db>.audit`, and the thread that writes it.
+//! The audit trail's own file, `<db>.audit`: its set-up and the jobs its thread runs (the
+//! thread itself is the engine's [`Trail`]).
 //!
 //! Audit rows are the store's most numerous writes. In the main database, where each also
 //! landed on a random page of a by-key index (about 10 µs of work and a 4 KiB WAL page a row),
 //! they rode in the reservations' group commits, so every reservation's `fdatasync` also
 //! carried the audit pages of the batch and waited for them. Here the trail has its own WAL,
-//! its own lock and this thread, which commits with `synchronous = FULL`: its sync is not a
+//! its own lock and its own thread, which commits with `synchronous = FULL`: its sync is not a
 //! reservation's; its rows are indexed by key in bulk ([`audit_index`]). Paired against the
 //! trail in the main database (`bench/ab.sh`, SQLite first writes, Intel host): 8 connections
 //! 1.161 ± 0.040 req/s and 0.836 ± 0.025 CPU a request; one connection 0.657 ± 0.020 CPU and
@@ -16,36 +17,19 @@
 
 use super::audit::{append_audit, AUDIT_CHUNKS};
 use super::audit_index;
+use super::engine::trail::{Job, Trail, Upkeep, Wrote};
 use super::*;
 use rusqlite::{params, Connection};
-use std::sync::mpsc;
-use tokio::sync::oneshot;
 
 /// The audit file beside a database: `<db>.audit` (its WAL is `<db>.audit-wal`).
 pub fn path_of(db: &std::path::Path) -> std::path::PathBuf {
     beside(db, ".audit")
 }
 
-enum Job {
-    Append(Vec<AuditRow>, oneshot::Sender<StoreResult<()>>),
-    Purge {
-        before: i64,
-        batch: i64,
-        done: oneshot::Sender<StoreResult<u64>>,
-    },
-}
-
-/// What the thread is sent: a job, or the word to stop.
-enum Msg {
-    Job(Job),
-    /// The jobs queued before it are written; then the thread closes the file and ends.
-    Close(oneshot::Sender<()>),
-}
-
-/// The sending side of the audit thread; closed (or dropped), the thread writes what is
-/// queued and ends.
+/// The trail's thread (see [`Trail`]), given this file's jobs and its upkeep, the by-key
+/// index's merge.
 pub struct AuditFile {
-    jobs: mpsc::Sender<Msg>,
+    trail: Trail,
 }
 
 impl AuditFile {
@@ -66,46 +50,61 @@ impl AuditFile {
         conn.pragma_update(None, "temp_store", "MEMORY")?;
         conn.set_prepared_statement_cache_capacity(16);
         move_old_rows(&conn, db)?;
-        let unindexed = audit_index::unindexed(&conn)?;
-        let (jobs, queue) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("idemproxy-audit".into())
-            .spawn(move || run(conn, queue, unindexed, every))
-            .map_err(|e| StoreError::Unavailable(format!("cannot start the audit thread: {e}")))?;
-        Ok(AuditFile { jobs })
+        let upkeep = Upkeep {
+            every,
+            waiting: audit_index::unindexed(&conn)?,
+            run: audit_index::merge,
+            what: "index the audit trail by key",
+        };
+        let trail = Trail::start("idemproxy-audit", conn, upkeep)?;
+        Ok(AuditFile { trail })
     }
 
     /// Writes `rows` (in one transaction with whatever else is queued); returns once they are
     /// on disk.
     pub async fn append(&self, rows: Vec<AuditRow>) -> StoreResult<()> {
-        let (done, heard) = oneshot::channel();
-        self.send(Msg::Job(Job::Append(rows, done)))?;
-        heard.await.unwrap_or(Err(StoreError::Closed))
+        self.trail.run(appending(rows)).await.map(|_| ())
     }
 
     /// Deletes up to `batch` rows that expired before `before`.
     pub async fn purge(&self, before: i64, batch: i64) -> StoreResult<u64> {
-        let (done, heard) = oneshot::channel();
-        self.send(Msg::Job(Job::Purge {
-            before,
-            batch,
-            done,
-        }))?;
-        heard.await.unwrap_or(Err(StoreError::Closed))
+        let job = move |conn: &Connection| {
+            let answer = audit_index::purge(conn, before, batch)?;
+            Ok(Wrote {
+                answer,
+                appended: 0,
+            })
+        };
+        self.trail.run(Box::new(job)).await
     }
 
     /// Writes what is queued, closes the file and ends the thread; a later append or purge is
     /// refused with [`StoreError::Closed`], as the writer's are.
     pub async fn close(&self) {
-        let (done, closed) = oneshot::channel();
-        if self.send(Msg::Close(done)).is_ok() {
-            let _ = closed.await;
-        }
+        self.trail.close().await
     }
+}
 
-    fn send(&self, msg: Msg) -> StoreResult<()> {
-        self.jobs.send(msg).map_err(|_| StoreError::Closed)
-    }
+/// Rows written between two yields of the CPU, so a serving thread woken during a long append
+/// need not wait for the scheduler to preempt it (appends ran at 8 µs a row with a by-key index):
+/// p99 of replays over 10k keys 1.39–1.67 → 1.10–1.25 ms; every 8 rows the trail fell behind
+/// (2.5–5 ms). One part is one insert statement (the largest of [`AUDIT_CHUNKS`]).
+const SLICE: usize = AUDIT_CHUNKS[0];
+
+/// The job that appends `rows`, a part at a time.
+fn appending(rows: Vec<AuditRow>) -> Job {
+    Box::new(move |conn: &Connection| {
+        for part in rows.chunks(SLICE) {
+            append_audit(conn, part)?;
+            // Let a serving thread that is waiting for this CPU run before the next part.
+            std::thread::yield_now();
+        }
+        let appended = rows.len() as u64;
+        Ok(Wrote {
+            answer: appended,
+            appended,
+        })
+    })
 }
 
 /// Creates this file's `idem_audit` and its indexes from the main database's (its migrations
@@ -174,96 +173,10 @@ fn columns(conn: &Connection, schema: &str) -> StoreResult<Vec<String>> {
     Ok(names)
 }
 
-/// The thread: each turn takes every job queued up to a `Close`, runs them in one transaction
-/// and answers each; then, once `every` rows wait after the by-key index's mark (`unindexed` at
-/// the start), merges them into it. Jobs queued after a `Close` are dropped unanswered: their
-/// callers hear [`StoreError::Closed`].
-fn run(conn: Connection, queue: mpsc::Receiver<Msg>, mut unindexed: u64, every: u64) {
-    while let Ok(first) = queue.recv() {
-        let (mut jobs, mut close) = (Vec::new(), None);
-        for msg in std::iter::once(first).chain(queue.try_iter().take(255)) {
-            match msg {
-                Msg::Job(job) => jobs.push(job),
-                Msg::Close(tell) => {
-                    close = Some(tell);
-                    break;
-                }
-            }
-        }
-        let done = write(&conn, &jobs);
-        for (job, done) in jobs.into_iter().zip(done) {
-            match job {
-                Job::Append(_, tell) => {
-                    unindexed += *done.as_ref().unwrap_or(&0);
-                    drop(tell.send(done.map(|_| ())))
-                }
-                Job::Purge { done: tell, .. } => drop(tell.send(done)),
-            }
-        }
-        if unindexed >= every {
-            // A failed merge leaves the rows after the mark, where look-ups still scan them; the
-            // next try waits for as many rows again, so a lasting error costs a try (and a
-            // warning) a merge's worth of rows, not one a turn.
-            unindexed = 0;
-            if let Err(e) = audit_index::merge(&conn) {
-                tracing::warn!(error = %e, "cannot index the audit trail by key");
-            }
-        }
-        if let Some(tell) = close {
-            drop(conn);
-            let _ = tell.send(());
-            return;
-        }
-    }
-}
-
-/// Runs `jobs` in one transaction: each one's result, or, if any job or the commit failed, that
-/// error for all, with nothing stored (so rows counted as dropped were not written). No
-/// savepoint per job: SQLite copies every page a savepoint (or a statement that may abort
-/// halfway) changes into a journal in memory, and the trail's rows each change a page of their
-/// own: 13% of this thread's time, measured with `perf`. A turn almost always holds one job
-/// (the auditor awaits each append), so failing the turn whole costs nothing in practice.
-fn write(conn: &Connection, jobs: &[Job]) -> Vec<StoreResult<u64>> {
-    let tx = match conn.unchecked_transaction() {
-        Ok(tx) => tx,
-        Err(e) => return failed(jobs, e.into()),
-    };
-    let each: StoreResult<Vec<u64>> = jobs.iter().map(|job| run_job(&tx, job)).collect();
-    match each.and_then(|each| tx.commit().map(|_| each).map_err(Into::into)) {
-        Ok(each) => each.into_iter().map(Ok).collect(),
-        // The transaction rolls back as it drops.
-        Err(e) => failed(jobs, e),
-    }
-}
-
-/// Rows written between two yields of the CPU, so a serving thread woken during a long append
-/// need not wait for the scheduler to preempt it (appends ran at 8 µs a row with a by-key index):
-/// p99 of replays over 10k keys 1.39–1.67 → 1.10–1.25 ms; every 8 rows the trail fell behind
-/// (2.5–5 ms). One part is one insert statement (the largest of [`AUDIT_CHUNKS`]).
-const SLICE: usize = AUDIT_CHUNKS[0];
-
-fn run_job(conn: &Connection, job: &Job) -> StoreResult<u64> {
-    match job {
-        Job::Append(rows, _) => {
-            for part in rows.chunks(SLICE) {
-                append_audit(conn, part)?;
-                // Let a serving thread that is waiting for this CPU run before the next part.
-                std::thread::yield_now();
-            }
-            Ok(rows.len() as u64)
-        }
-        Job::Purge { before, batch, .. } => audit_index::purge(conn, *before, *batch),
-    }
-}
-
-/// One error for every job of a transaction that could not begin or commit.
-fn failed(jobs: &[Job], e: StoreError) -> Vec<StoreResult<u64>> {
-    jobs.iter().map(|_| Err(e.clone())).collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::audit::tests::{open, row};
+    use super::super::engine::trail::write;
     use super::*;
 
     /// A database in `dir` whose store was opened once (migrations run, audit file made) and
@@ -329,14 +242,17 @@ mod tests {
              BEGIN SELECT RAISE(FAIL, 'refused'); END;",
         )
         .unwrap();
-        let append = |rows: Vec<AuditRow>| Job::Append(rows, oneshot::channel().0);
+        let append = |rows: Vec<AuditRow>| appending(rows);
         let good = append((0..5).map(row).collect());
         let bad = append((5..9).map(row).collect());
-        let done = write(&conn, &[good, bad]);
+        let done = write(&conn, vec![good, bad]);
         assert!(done.iter().all(Result::is_err), "{done:?}");
         assert_eq!(stored(&db), 0);
-        let fine = write(&conn, &[append((0..5).map(row).collect())]);
-        assert!(matches!(fine[..], [Ok(5)]), "{fine:?}");
+        let fine = write(&conn, vec![append((0..5).map(row).collect())]);
+        assert!(
+            matches!(fine[..], [Ok(Wrote { answer: 5, .. })]),
+            "{fine:?}"
+        );
     }
 
     /// A closed store's trail has written what it was given before, and refuses more as the

@@ -79,11 +79,11 @@ impl EntityStates for SqliteStore {
     async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
         // Before every write of a route with version or claim checks: on this thread (see
         // [`super::reader`]), or through the pool when SQLite is busy.
-        match self.reader.entity_states(entities) {
-            Err(e) if super::reader::is_missed(&e) => {}
+        match super::reads::entity_states(&self.reader, entities) {
+            Err(e) if super::engine::reader::is_missed(&e) => {}
             states => return states,
         }
-        let rows = sqlx::query(&super::reader::ENTITIES_SQL)
+        let rows = sqlx::query(&super::reads::ENTITIES_SQL)
             .bind(encode_entities(entities))
             .fetch_all(&self.reads)
             .await?;

@@ -97,7 +97,7 @@ static RESERVE_TAKING_UNKNOWN: std::sync::LazyLock<String> =
 /// One record, read on the writer's connection (inside its transaction).
 fn record(ctx: &Tx, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
     // Every replay the cache misses comes this way (the reservation is its look-up).
-    super::reader::read_record(ctx.conn, ctx.cipher, id)
+    super::reads::read_record(ctx.conn, ctx.cipher, id)
 }
 
 /// Stores the outcome if `epoch` still owns the key (`false`: fenced off). Effects (versions,
@@ -244,11 +244,11 @@ impl Keys for SqliteStore {
         // here, on its own thread (see [`super::reader`]); through the pool when SQLite is
         // busy for longer than a worker may wait.
         let cipher = self.cipher.as_deref();
-        match self.reader.record(cipher, id) {
-            Err(e) if super::reader::is_missed(&e) => {}
+        match super::reads::record(&self.reader, cipher, id) {
+            Err(e) if super::engine::reader::is_missed(&e) => {}
             found => return found,
         }
-        let row = sqlx::query(&super::reader::KEY_SQL)
+        let row = sqlx::query(&super::reads::KEY_SQL)
             .bind(&id.upstream)
             .bind(&id.scope)
             .bind(&id.key)

@@ -1,13 +1,20 @@
 //! SQLite backend: WAL, durable commits, one writer thread with group commit.
 //!
-//! Every write goes through one connection owned by a writer thread ([`writer`]). It drains
-//! whatever writes are queued into one transaction and answers each caller only after the
-//! `COMMIT` is on disk ([`durable`]: the `fsync` runs on a thread of its own, beside the next
-//! batch) — so a reservation is durable before anything is forwarded, yet many concurrent
-//! first writes share one fsync instead of paying one each. Reads run beside the writer (WAL):
-//! the request path's (a key's record, entities' states) on the caller's own thread
-//! ([`reader`]), the operator's on a sqlx pool. The audit trail is the one exception to the
-//! one writer: it lives in a file of its own, written by a thread of its own ([`audit_file`]),
+//! Above the line, this folder is SQL and jobs: the tables' statements ([`keys`],
+//! [`entities`], [`audit`] and the trail's by-key index [`audit_index`], [`operator`],
+//! [`meta`]), the request path's reads ([`reads`]), the audit file's set-up and jobs
+//! ([`audit_file`]), and how a release made by another process reaches this one
+//! ([`releases`]). Below it, [`engine`] runs them knowing no table: the writer thread and its
+//! group commit, the syncer, the WAL-gathering VFS, the inbox of replies, the audit file's
+//! thread, and the pool of read-only connections the request path reads through.
+//!
+//! Every write goes through one connection owned by the writer thread. It drains whatever
+//! writes are queued into one transaction and answers each caller only after the `COMMIT` is
+//! on disk (the `fsync` runs on a thread of its own, beside the next batch) — so a reservation
+//! is durable before anything is forwarded, yet many concurrent first writes share one fsync
+//! instead of paying one each. Reads run beside the writer (WAL): the request path's on the
+//! caller's own thread ([`reads`]), the operator's on a sqlx pool. The audit trail is the one
+//! exception to the one writer: it lives in a file of its own, written by a thread of its own,
 //! so its pages never ride in a reservation's `fsync`.
 //!
 //! SQLite serves one `serve` process: with `exclusive`, the store takes an OS lock on
@@ -22,7 +29,7 @@ mod entities;
 mod keys;
 mod meta;
 mod operator;
-mod reader;
+mod reads;
 mod releases;
 
 use super::codec::encode_entities;
@@ -44,8 +51,8 @@ pub struct SqliteStore {
     audit: audit_file::AuditFile,
     audit_reads: SqlitePool,
     /// The request path's reads (a key's record, entities' states), on the caller's thread
-    /// (see [`reader`]).
-    reader: reader::Reader,
+    /// (see [`reads`]).
+    reader: engine::reader::Reader,
     writer: Arc<Writer>,
     /// Held for the life of a `serve` process: the exclusive lock on `<db>.lock`.
     lock: Option<std::fs::File>,
@@ -108,7 +115,7 @@ impl SqliteStore {
             );
         }
         Ok(SqliteStore {
-            reader: reader::Reader::new(opts.get_filename()),
+            reader: engine::reader::Reader::new(opts.get_filename()),
             reads,
             audit,
             audit_reads,

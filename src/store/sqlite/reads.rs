@@ -1,96 +1,37 @@
 //! The reads of the request path — a key's record, the entities' states — run on the caller's
-//! own thread.
+//! own thread, through the engine's pool of read-only connections ([`Reader`]).
 //!
 //! Every request with an entity, a precheck or `in_flight = "reject"` reads its key before it
 //! takes a lock, so does every replay the replay cache misses, and a route with version or
-//! claim checks reads its entities' states before each write. Through the sqlx pool such a
-//! read was handed to the connection's worker thread and its answer handed back: two wake-ups
-//! between threads per read (on this project's VM, a wake-up across cores is a host round
-//! trip), with eight worker threads woken in turn. Here the caller runs the indexed `SELECT`
-//! itself on a pooled `rusqlite` connection: an index look-up of a local file, a few
-//! microseconds when its pages are in the page cache (as the hot part of the store is). A read
-//! of pages that are not (a cold start on a slow disk) holds the calling worker for that read,
-//! as a page fault would; nothing in it waits on the writer, since WAL readers read a snapshot.
+//! claim checks reads its entities' states before each write.
 
+use super::engine::reader::Reader;
 use super::*;
 use crate::store::seal::Cipher;
-use rusqlite::{params, Connection, OpenFlags};
-use std::sync::Mutex;
+use rusqlite::{params, Connection};
 
-/// Idle connections kept: at most one read runs per thread at a time, and tokio runs one
-/// worker per core, so more would only idle.
-const KEEP: usize = 8;
-
-/// Read-only connections to the store's file, taken for one read at a time.
-pub struct Reader {
-    db: std::path::PathBuf,
-    idle: Mutex<Vec<Connection>>,
+/// The record of `id`, if any, read on this thread.
+pub fn record(
+    reader: &Reader,
+    cipher: Option<&Cipher>,
+    id: &ScopedKey,
+) -> StoreResult<Option<KeyRecord>> {
+    reader.read(|conn| read_record(conn, cipher, id))
 }
 
-impl Reader {
-    pub fn new(db: &std::path::Path) -> Reader {
-        Reader {
-            db: db.to_owned(),
-            idle: Mutex::new(Vec::new()),
+/// The stored states of these entities (those with none are left out), read on this thread:
+/// what a route's version and claim checks read before every write.
+pub fn entity_states(reader: &Reader, entities: &[String]) -> StoreResult<Vec<EntityState>> {
+    reader.read(|conn| {
+        let mut stmt = conn.prepare_cached(&ENTITIES_SQL)?;
+        let mut rows = stmt.query(params![encode_entities(entities)])?;
+        let mut out = Vec::new();
+        while let Some(row) = rows.next()? {
+            out.push(rows::entity_state(&Lite(row))?);
         }
-    }
-
-    /// The record of `id`, if any, read on this thread.
-    pub fn record(
-        &self,
-        cipher: Option<&Cipher>,
-        id: &ScopedKey,
-    ) -> StoreResult<Option<KeyRecord>> {
-        self.read(|conn| read_record(conn, cipher, id))
-    }
-
-    /// The stored states of these entities (those with none are left out), read on this
-    /// thread: what a route's version and claim checks read before every write.
-    pub fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
-        self.read(|conn| {
-            let mut stmt = conn.prepare_cached(&ENTITIES_SQL)?;
-            let mut rows = stmt.query(params![encode_entities(entities)])?;
-            let mut out = Vec::new();
-            while let Some(row) = rows.next()? {
-                out.push(rows::entity_state(&Lite(row))?);
-            }
-            Ok(out)
-        })
-    }
-
-    /// Runs `f` on an idle connection (or a new one), then keeps the connection for the next
-    /// read.
-    fn read<T>(&self, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
-        let taken = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let conn = match taken {
-            Some(conn) => conn,
-            None => self.open()?,
-        };
-        let out = f(&conn);
-        // A connection that failed a read is dropped, not pooled: the next read opens another.
-        if out.is_ok() {
-            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
-            if idle.len() < KEEP {
-                idle.push(conn);
-            }
-        }
-        out
-    }
-
-    fn open(&self) -> StoreResult<Connection> {
-        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
-        let conn = Connection::open_with_flags(&self.db, flags)?;
-        // A WAL reader waits for nothing the writer does; only another process's recovery of
-        // the WAL (a CLI command opening the store after a crash) makes it busy. It must not
-        // hold a tokio worker for that: past this, the read fails here and the caller reads
-        // through the pool instead (see [`is_missed`]).
-        conn.busy_timeout(BUSY_FOR)?;
-        Ok(conn)
-    }
+        Ok(out)
+    })
 }
-
-/// The longest an inline read waits for a lock before it is handed to the pool.
-const BUSY_FOR: Duration = Duration::from_millis(20);
 
 /// A key's record by its three columns.
 pub static KEY_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
@@ -103,13 +44,6 @@ pub static ENTITIES_SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(
         "SELECT {ENTITY_COLUMNS} FROM idem_entities WHERE entity IN (SELECT value FROM json_each(?1))"
     )
 });
-
-/// Whether an inline read failed for want of SQLite (busy past [`BUSY_FOR`], a connection
-/// that cannot open): then it is read again through the pool, which waits off the worker
-/// threads. A record that cannot be decoded or decrypted fails either way.
-pub fn is_missed(e: &StoreError) -> bool {
-    matches!(e, StoreError::Unavailable(_))
-}
 
 /// One key's record on `conn` (the writer's, inside its transaction, or a reader's).
 pub fn read_record(
@@ -127,6 +61,7 @@ pub fn read_record(
 
 #[cfg(test)]
 mod tests {
+    use super::super::engine::reader::is_missed;
     use super::*;
 
     fn id(key: &str) -> ScopedKey {
@@ -190,7 +125,7 @@ mod tests {
             .await
             .unwrap();
         store.reader = Reader::new(&dir.path().join("missing").join("s.db"));
-        let e = store.reader.record(None, &id("b")).unwrap_err();
+        let e = record(&store.reader, None, &id("b")).unwrap_err();
         assert!(is_missed(&e), "{e}");
         let read = store
             .get(&id("b"))
