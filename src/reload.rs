@@ -7,7 +7,7 @@
 //! back as `file:line:col: message`. Settings bound at start (listener addresses, inbound TLS,
 //! connection limits, the store) are reported and kept.
 
-use crate::config::Config;
+use crate::config::{Config, ServerConfig, StoreConfig};
 use crate::state::Live;
 use std::sync::Arc;
 
@@ -67,48 +67,75 @@ fn apply(live: &Live, old: &crate::state::AppState) -> Reloaded {
 /// changed.
 fn keep_fixed(old: &Config, new: &mut Config) -> Vec<String> {
     let mut kept = Vec::new();
-    let mut note = |name: &str, was: String, wants: String| {
-        if was != wants {
-            kept.push(format!(
-                "{name} cannot change while running (restart to apply): kept {was}, the file says {wants}"
-            ));
-        }
-    };
-    let (o, n) = (&old.server, &mut new.server);
-    note("server.listen", o.listen.to_string(), n.listen.to_string());
+    keep_server(&old.server, &mut new.server, &mut kept);
+    keep_store(&old.store, &mut new.store, &mut kept);
+    note_listeners(old, new, &mut kept);
+    kept
+}
+
+/// Notes a setting the file changed and the running process keeps.
+fn note(kept: &mut Vec<String>, name: &str, was: String, wants: String) {
+    if was != wants {
+        kept.push(format!(
+            "{name} cannot change while running (restart to apply): kept {was}, the file says {wants}"
+        ));
+    }
+}
+
+/// The listeners, their TLS, their limits and the threads serving them are bound at start.
+fn keep_server(o: &ServerConfig, n: &mut ServerConfig, kept: &mut Vec<String>) {
+    note(
+        kept,
+        "server.listen",
+        o.listen.to_string(),
+        n.listen.to_string(),
+    );
     n.listen = o.listen;
     note(
+        kept,
         "server.admin_listen",
         format!("{:?}", o.admin_listen),
         format!("{:?}", n.admin_listen),
     );
     n.admin_listen = o.admin_listen;
-    note("server.tls", format!("{:?}", o.tls), format!("{:?}", n.tls));
+    note(
+        kept,
+        "server.tls",
+        format!("{:?}", o.tls),
+        format!("{:?}", n.tls),
+    );
     n.tls = o.tls.clone();
     note(
+        kept,
         "server.max_connections",
         o.max_connections.to_string(),
         n.max_connections.to_string(),
     );
     n.max_connections = o.max_connections;
     note(
+        kept,
         "server.max_connections_per_ip",
         o.max_connections_per_ip.to_string(),
         n.max_connections_per_ip.to_string(),
     );
     n.max_connections_per_ip = o.max_connections_per_ip;
     note(
+        kept,
         "server.workers",
         format!("{:?}", o.workers),
         format!("{:?}", n.workers),
     );
     n.workers = o.workers;
-    let (o, n) = (&old.store, &mut new.store);
-    note("store.url", o.display_url(), n.display_url());
+}
+
+/// The store is opened once, with its keys and lease; retention's purge is scheduled at start.
+fn keep_store(o: &StoreConfig, n: &mut StoreConfig, kept: &mut Vec<String>) {
+    note(kept, "store.url", o.display_url(), n.display_url());
     n.url = o.url.clone();
     let secret = |s: &Option<String>| if s.is_some() { "set" } else { "unset" }.to_owned();
     if o.scope_secret != n.scope_secret {
         note(
+            kept,
             "store.scope_secret",
             secret(&o.scope_secret),
             format!("{} (changed)", secret(&n.scope_secret)),
@@ -117,26 +144,35 @@ fn keep_fixed(old: &Config, new: &mut Config) -> Vec<String> {
     n.scope_secret = o.scope_secret.clone();
     // The store seals and opens with the keys it was opened with; key ids, never keys.
     note(
+        kept,
         "store.encryption_key / encryption_keys_previous",
         o.encryption_summary(),
         n.encryption_summary(),
     );
     n.encryption = o.encryption.clone();
     note(
+        kept,
         "store.lease",
         format!("{:?}", o.lease),
         format!("{:?}", n.lease),
     );
     n.lease = o.lease;
     note(
+        kept,
         "store.retention (the purge schedule)",
         format!("{:?}", o.retention),
         format!("{:?}", n.retention),
     );
+}
+
+/// A dedicated upstream listener is bound at start: added, moved or removed, it waits for a
+/// restart.
+fn note_listeners(old: &Config, new: &Config, kept: &mut Vec<String>) {
     for u in &new.upstreams {
         let was = old.upstream(&u.name).and_then(|o| o.listen);
         if u.listen != was {
             note(
+                kept,
                 &format!("upstreams.{}.listen", u.name),
                 format!("{was:?}"),
                 format!("{:?}", u.listen),
@@ -151,5 +187,4 @@ fn keep_fixed(old: &Config, new: &mut Config) -> Vec<String> {
             ));
         }
     }
-    kept
 }

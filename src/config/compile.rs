@@ -91,50 +91,13 @@ fn server(cx: &mut Compiler, raw: &RawServer) -> ServerConfig {
         .as_ref()
         .and_then(|t| cx.s(t))
         .filter(|t| !t.is_empty());
-    let max_body = match &raw.max_body {
-        None => 1 << 20,
-        Some(v) => cx
-            .s(v)
-            .and_then(|s| parse_size(&s).map_err(|e| cx.err(v.span(), e)).ok())
-            .unwrap_or(1 << 20),
-    };
-    let size = |cx: &mut Compiler, v: &Option<Str>, default: usize| match v {
-        None => default,
-        Some(v) => cx
-            .s(v)
-            .and_then(|s| parse_size(&s).map_err(|e| cx.err(v.span(), e)).ok())
-            .unwrap_or(default),
-    };
+    let max_body = size(cx, &raw.max_body, 1 << 20);
     let max_answer = size(cx, &raw.max_answer, DEFAULT_MAX_ANSWER);
-    let count = |cx: &mut Compiler, v: &Option<Spanned<i64>>, default: usize| match v {
-        None => default,
-        Some(n) => usize::try_from(*n.get_ref()).unwrap_or_else(|_| {
-            cx.err(n.span(), "must be 0 or more");
-            default
-        }),
-    };
     let max_connections = count(cx, &raw.max_connections, 8192).max(1);
     let max_connections_per_ip = count(cx, &raw.max_connections_per_ip, 0);
-    let workers = raw
-        .workers
-        .as_ref()
-        .and_then(|n| match usize::try_from(*n.get_ref()) {
-            Ok(w) if (1..=1024).contains(&w) => Some(w),
-            _ => {
-                cx.err(n.span(), "must be from 1 to 1024");
-                None
-            }
-        });
+    let workers = workers(cx, &raw.workers);
     let body_timeout = cx.dur(&raw.body_timeout, Duration::from_secs(30));
-    // Absent: `x-workflow-id` (the header the shipped derive templates read); `""`: none.
-    let workflow_header = match &raw.workflow_header {
-        None => Some(http::HeaderName::from_static("x-workflow-id")),
-        Some(h) => cx.s(h).filter(|h| !h.is_empty()).and_then(|name| {
-            http::HeaderName::from_bytes(name.as_bytes())
-                .map_err(|_| cx.err(h.span(), format!("{name:?} is not a header name")))
-                .ok()
-        }),
-    };
+    let workflow_header = workflow_header(cx, &raw.workflow_header);
     let tls = raw.tls.as_ref().and_then(|t| {
         let t = t.get_ref();
         Some(TlsFiles {
@@ -154,6 +117,52 @@ fn server(cx: &mut Compiler, raw: &RawServer) -> ServerConfig {
         workflow_header,
         workers,
         tls,
+    }
+}
+
+/// A size (`1MiB`, `64KiB`, bytes), or `default` when absent or wrong (the error noted).
+fn size(cx: &mut Compiler, v: &Option<Str>, default: usize) -> usize {
+    match v {
+        None => default,
+        Some(v) => cx
+            .s(v)
+            .and_then(|s| parse_size(&s).map_err(|e| cx.err(v.span(), e)).ok())
+            .unwrap_or(default),
+    }
+}
+
+/// A count of 0 or more, or `default` when absent or negative (the error noted).
+fn count(cx: &mut Compiler, v: &Option<Spanned<i64>>, default: usize) -> usize {
+    match v {
+        None => default,
+        Some(n) => usize::try_from(*n.get_ref()).unwrap_or_else(|_| {
+            cx.err(n.span(), "must be 0 or more");
+            default
+        }),
+    }
+}
+
+/// `workers`: from 1 to 1024, or absent (as many as the machine's cores).
+fn workers(cx: &mut Compiler, v: &Option<Spanned<i64>>) -> Option<usize> {
+    let n = v.as_ref()?;
+    match usize::try_from(*n.get_ref()) {
+        Ok(w) if (1..=1024).contains(&w) => Some(w),
+        _ => {
+            cx.err(n.span(), "must be from 1 to 1024");
+            None
+        }
+    }
+}
+
+/// Absent: `x-workflow-id` (the header the shipped derive templates read); `""`: none.
+fn workflow_header(cx: &mut Compiler, v: &Option<Str>) -> Option<http::HeaderName> {
+    match v {
+        None => Some(http::HeaderName::from_static("x-workflow-id")),
+        Some(h) => cx.s(h).filter(|h| !h.is_empty()).and_then(|name| {
+            http::HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| cx.err(h.span(), format!("{name:?} is not a header name")))
+                .ok()
+        }),
     }
 }
 

@@ -139,6 +139,23 @@ pub(super) fn key_rule(
     rule
 }
 
+/// The route's mode, else its upstream's, else the default.
+pub(super) fn mode(cx: &mut Compiler, r: &RawRoute, upstream: Option<&RawUpstream>) -> Mode {
+    [r.mode.as_ref(), upstream.and_then(|u| u.mode.as_ref())]
+        .into_iter()
+        .flatten()
+        .next()
+        .and_then(|v| cx.mode(v))
+        .unwrap_or_default()
+}
+
+/// How long the route's keys are kept: its own `retention`, else the store's.
+pub(super) fn retention(cx: &mut Compiler, r: &RawRoute, store: Duration) -> Duration {
+    r.retention
+        .as_ref()
+        .map_or(store, |_| cx.dur(&r.retention, Duration::ZERO))
+}
+
 /// `in_flight`: what a duplicate of a request still running gets.
 pub(super) fn in_flight(cx: &mut Compiler, v: &Option<Str>) -> InFlight {
     match v.as_ref().and_then(|v| cx.s(v).map(|s| (s, v.span()))) {

@@ -45,13 +45,7 @@ pub(super) fn route(
         .and_then(|v| check(cx, "version", v, true, false));
     let raw_upstream = upstreams.get(&upstream).map(|u| u.get_ref());
     let key = parts::key_rule(cx, &name, sp, raw_upstream, entity.is_some(), &mut check);
-    // The route's mode wins over its upstream's.
-    let mode = [r.mode.as_ref(), raw_upstream.and_then(|u| u.mode.as_ref())]
-        .into_iter()
-        .flatten()
-        .next()
-        .and_then(|v| cx.mode(v))
-        .unwrap_or_default();
+    let mode = parts::mode(cx, r, raw_upstream);
     let fingerprint = parts::fingerprint_rule(cx, &r.fingerprint);
     let (claim, release_claim) = parts::claims(cx, &name, sp, entity.is_some());
     if version.is_some() && entity.is_none() {
@@ -69,10 +63,7 @@ pub(super) fn route(
         .reconcile
         .as_ref()
         .and_then(|p| reconcile(cx, &name, p, &mut check, ignored));
-    let retention = r
-        .retention
-        .as_ref()
-        .map_or(store_retention, |_| cx.dur(&r.retention, Duration::ZERO));
+    let retention = parts::retention(cx, r, store_retention);
     let mut route = Route {
         stamp: parts::stamp_field(cx, &name, &r.stamp),
         in_flight: parts::in_flight(cx, &r.in_flight),

@@ -275,16 +275,21 @@ where
         close(&mut io).await;
         return None;
     }
-    let rest = match (parts.read_buf.is_empty(), unread.is_empty()) {
+    Some((io, leftover(parts.read_buf, unread)))
+}
+
+/// The bytes read past the last request: what hyper had buffered, then what the turn caught
+/// of the next request's head.
+fn leftover(buffered: Bytes, unread: Bytes) -> Bytes {
+    match (buffered.is_empty(), unread.is_empty()) {
         (true, _) => unread,
-        (false, true) => parts.read_buf,
+        (false, true) => buffered,
         (false, false) => {
-            let mut joined = BytesMut::from(&parts.read_buf[..]);
+            let mut joined = BytesMut::from(&buffered[..]);
             joined.extend_from_slice(&unread);
             joined.freeze()
         }
-    };
-    Some((io, rest))
+    }
 }
 
 /// Whether the client lets the connection carry another request: HTTP/1.1 unless it says

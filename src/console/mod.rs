@@ -107,42 +107,49 @@ pub async fn handle(
     };
     match method {
         Method::GET | Method::HEAD => view(state, &frame, &path, &form::query(req.uri())).await,
-        Method::POST => {
-            let tls = session::over_tls(req.uri(), req.headers());
-            let headers = req.headers().clone();
-            let form = match Form::read(
-                req,
-                state.config.server.max_body,
-                state.config.server.body_timeout,
-            )
-            .await
-            {
-                Ok(f) => f,
-                Err(form::Unreadable(status, m)) => {
-                    return page::problem(status, "Not a console form", &m)
-                }
-            };
-            let given = form.get("csrf").unwrap_or_default();
-            if !session::csrf_ok(token, &headers, given) {
-                return page::problem(
-                    StatusCode::FORBIDDEN,
-                    "Refused: no valid CSRF token",
-                    "This form did not come from this console (or from a session that has \
-                     ended): nothing changed. Reload the page and try again.",
-                );
-            }
-            match path.as_str() {
-                "/console/release" => act::release(state, &form).await,
-                "/console/complete" => act::complete(state, &form).await,
-                "/logout" => page::redirect("/login", Some(session::set_cookie(None, tls))),
-                _ => not_found(),
-            }
-        }
+        Method::POST => post(state, req, &path, token).await,
         _ => page::problem(
             StatusCode::METHOD_NOT_ALLOWED,
             "Not here",
             "The console's pages are read with GET and its forms sent with POST.",
         ),
+    }
+}
+
+/// A form sent with POST: read within the body limits, refused without this console's CSRF
+/// token, then acted on.
+async fn post(
+    state: &AppState,
+    req: Request<RequestBody>,
+    path: &str,
+    token: Option<&str>,
+) -> Response<ProxyBody> {
+    let tls = session::over_tls(req.uri(), req.headers());
+    let headers = req.headers().clone();
+    let form = match Form::read(
+        req,
+        state.config.server.max_body,
+        state.config.server.body_timeout,
+    )
+    .await
+    {
+        Ok(f) => f,
+        Err(form::Unreadable(status, m)) => return page::problem(status, "Not a console form", &m),
+    };
+    let given = form.get("csrf").unwrap_or_default();
+    if !session::csrf_ok(token, &headers, given) {
+        return page::problem(
+            StatusCode::FORBIDDEN,
+            "Refused: no valid CSRF token",
+            "This form did not come from this console (or from a session that has \
+             ended): nothing changed. Reload the page and try again.",
+        );
+    }
+    match path {
+        "/console/release" => act::release(state, &form).await,
+        "/console/complete" => act::complete(state, &form).await,
+        "/logout" => page::redirect("/login", Some(session::set_cookie(None, tls))),
+        _ => not_found(),
     }
 }
 

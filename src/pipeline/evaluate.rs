@@ -98,29 +98,13 @@ pub fn prepare(
         .map(|q| crate::rules::urlencoded::pairs(q.as_bytes()).collect())
         .unwrap_or_default();
     let query = readable(route, input.headers, &query_bytes)?;
-    let kind = BodyKind::of(input.headers);
-    let parsed = match body::parse(kind, input.body) {
-        Ok(v) => v,
-        Err(e) if route.needs_body => return Err(ProxyError::new(ErrorKind::BodyInvalid, e)),
-        // Nothing reads the body: it is fingerprinted as raw bytes.
-        Err(_) => None,
-    };
+    let (kind, parsed) = read_body(route, input)?;
     let read = BodyRead {
         kind,
         parsed: parsed.is_some(),
         headers: input.headers,
         body: input.body,
     };
-    if route.needs_body && parsed.is_none() {
-        return Err(ProxyError::new(
-            ErrorKind::BodyInvalid,
-            format!(
-                "route {} reads the body, which must be JSON or a form: {}",
-                route.name,
-                read.said()
-            ),
-        ));
-    }
     let stamped = parts::stamped(route, kind, parsed.as_ref())?;
     let kind = if parsed.is_some() {
         kind
@@ -157,26 +141,7 @@ pub fn prepare(
         Some(pc) => Some(side_read::eval_path(&pc.path, &view, "precheck", &key)?),
     };
     let reconcile = parts::reconcile(route, &view, parsed.as_ref(), stamped, &key)?;
-    let id = ScopedKey::new(
-        upstream.name.clone(),
-        scoper.scope_at(
-            input.headers,
-            &upstream.credentials,
-            wildcard_host(upstream, input.host),
-        ),
-        key.clone(),
-    );
-    // Entity locks, versions and claims belong to the caller's credentials unless the
-    // upstream shares them: another tenant's contact 42 is not ours.
-    let entities = if upstream.share_entities {
-        entities
-    } else {
-        let scope = key::entity_scope(&id.scope);
-        entities
-            .into_iter()
-            .map(|e| format!("{e}@{scope}"))
-            .collect()
-    };
+    let (id, entities) = scoped(upstream, input, &key, entities, scoper);
     Ok(Prepared {
         key,
         key_source,
@@ -190,4 +155,67 @@ pub fn prepare(
         stamped,
         workflow: None,
     })
+}
+
+/// The body read by its `Content-Type` (the one reading `explain` shares): its kind, and its
+/// value when it parsed. A route that reads the body refuses one that does not parse, saying
+/// what was read; for any other, an unparsed body is fingerprinted as raw bytes.
+fn read_body(
+    route: &Route,
+    input: &Input<'_>,
+) -> ProxyResult<(BodyKind, Option<serde_json::Value>)> {
+    let kind = BodyKind::of(input.headers);
+    let parsed = match body::parse(kind, input.body) {
+        Ok(v) => v,
+        Err(e) if route.needs_body => return Err(ProxyError::new(ErrorKind::BodyInvalid, e)),
+        // Nothing reads the body: it is fingerprinted as raw bytes.
+        Err(_) => None,
+    };
+    if route.needs_body && parsed.is_none() {
+        let read = BodyRead {
+            kind,
+            parsed: false,
+            headers: input.headers,
+            body: input.body,
+        };
+        return Err(ProxyError::new(
+            ErrorKind::BodyInvalid,
+            format!(
+                "route {} reads the body, which must be JSON or a form: {}",
+                route.name,
+                read.said()
+            ),
+        ));
+    }
+    Ok((kind, parsed))
+}
+
+/// The key scoped to the caller's credentials (and host, for a wildcard upstream), and the
+/// entities likewise: entity locks, versions and claims belong to the caller's credentials
+/// unless the upstream shares them — another tenant's contact 42 is not ours.
+fn scoped(
+    upstream: &Upstream,
+    input: &Input<'_>,
+    key: &str,
+    entities: Vec<String>,
+    scoper: &key::ScopeKeyer,
+) -> (ScopedKey, Vec<String>) {
+    let id = ScopedKey::new(
+        upstream.name.clone(),
+        scoper.scope_at(
+            input.headers,
+            &upstream.credentials,
+            wildcard_host(upstream, input.host),
+        ),
+        key.to_owned(),
+    );
+    if upstream.share_entities {
+        return (id, entities);
+    }
+    let scope = key::entity_scope(&id.scope);
+    let entities = entities
+        .into_iter()
+        .map(|e| format!("{e}@{scope}"))
+        .collect();
+    (id, entities)
 }

@@ -75,57 +75,24 @@ impl Server {
     /// Opens the store (applying migrations), builds the clients, binds every listener.
     pub async fn start(config: Config) -> anyhow::Result<Server> {
         let config = Arc::new(config);
-        let cipher = config.store.encryption.clone();
-        let opened = crate::store::open(&config.store.url, config.store.lease, true, cipher)
-            .await
-            .with_context(|| format!("cannot open the store {}", config.store.display_url()))?;
-        let (store, shared) = (opened.store, opened.shared);
-        // A serving process replays hot keys from memory; a CLI process reads the store itself.
-        let replay = crate::store::replay::ReplayCache::beside(store.as_ref());
-        let (scoper, check, source) =
-            crate::scope_secret::for_store(&config.store, store.as_ref()).await?;
-        tracing::info!(
-            scopes_keyed_by = %source,
-            "{}",
-            config.store.encryption_summary()
-        );
-        if check.legacy_keys {
-            tracing::info!(
-                "keys stored before scopes were keyed remain: look-ups also try their unkeyed scopes"
-            );
-        }
+        let opened = open_store(&config).await?;
         // Before the clients: each keeps a pool of upstream connections per serving thread.
-        let threads = Arc::new(
-            ConnThreads::start(crate::threads::for_config(&config))
-                .context("cannot start the connection threads")?,
-        );
-        if !threads.is_empty() {
-            tracing::info!(
-                threads = threads.len(),
-                "connection threads beside the runtime's workers"
-            );
-        }
+        let threads = start_threads(&config)?;
         let clients = crate::state::clients(&config)?;
         let stats = Arc::new(Stats::default());
         let background_stop = CancellationToken::new();
-        let (auditor, audit_task) =
-            Auditor::start(store.clone(), stats.clone(), background_stop.clone());
-        // Purge often enough that nothing outlives its retention by more than a quarter of it.
-        let purge_every =
-            (config.store.retention / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
-        let retention_task = tokio::spawn(crate::audit::retention(
-            store.clone(),
-            config.store.retention,
-            purge_every,
-            background_stop.clone(),
-        ));
+        let (auditor, mut background) =
+            start_background(&opened.store, &stats, &config, &background_stop);
         // Each account's budget; on PostgreSQL counted with every replica's sends.
-        let pacer = Arc::new(crate::pace::Pacer::new(stats.pace.clone(), shared.clone()));
+        let pacer = Arc::new(crate::pace::Pacer::new(
+            stats.pace.clone(),
+            opened.shared.clone(),
+        ));
         let state = AppState {
             config: config.clone(),
-            store,
-            shared,
-            replay,
+            store: opened.store,
+            shared: opened.shared,
+            replay: opened.replay,
             pacer,
             auditor,
             clients,
@@ -134,13 +101,16 @@ impl Server {
             stats,
             tracker: TaskTracker::new(),
             owner: format!("pid{}-{}", std::process::id(), crate::store::now_ms()),
-            scoper: Arc::new(scoper),
-            legacy_scopes: check.legacy_keys,
+            scoper: Arc::new(opened.scoper),
+            legacy_scopes: opened.legacy_scopes,
             host_clients: Default::default(),
         };
         let live: Live = Arc::new(arc_swap::ArcSwap::from_pointee(state));
         let state = live.load_full();
-        let hangup = tokio::spawn(reload_on_hangup(live.clone(), background_stop.clone()));
+        background.push(tokio::spawn(reload_on_hangup(
+            live.clone(),
+            background_stop.clone(),
+        )));
         let tls = match &config.server.tls {
             Some(files) => Some(tls_acceptor(files)?),
             None => None,
@@ -178,7 +148,7 @@ impl Server {
             cancel,
             loops,
             background_stop,
-            background: vec![audit_task, retention_task, hangup],
+            background,
             threads,
         })
     }
@@ -234,4 +204,78 @@ async fn reload_on_hangup(live: Live, stop: CancellationToken) {
     }
     #[cfg(not(unix))]
     stop.cancelled().await;
+}
+
+/// The store a serving process opened, with what sits beside it.
+struct OpenedStore {
+    store: Arc<dyn crate::store::Store>,
+    shared: Option<Arc<dyn crate::store::Shared>>,
+    /// A serving process replays hot keys from memory; a CLI process reads the store itself.
+    replay: Arc<crate::store::replay::ReplayCache>,
+    scoper: crate::key::ScopeKeyer,
+    legacy_scopes: bool,
+}
+
+/// Opens the store (applying migrations), the replay cache beside it, and the secret that keys
+/// its scopes, saying where that secret came from.
+async fn open_store(config: &Config) -> anyhow::Result<OpenedStore> {
+    let cipher = config.store.encryption.clone();
+    let opened = crate::store::open(&config.store.url, config.store.lease, true, cipher)
+        .await
+        .with_context(|| format!("cannot open the store {}", config.store.display_url()))?;
+    let replay = crate::store::replay::ReplayCache::beside(opened.store.as_ref());
+    let (scoper, check, source) =
+        crate::scope_secret::for_store(&config.store, opened.store.as_ref()).await?;
+    tracing::info!(
+        scopes_keyed_by = %source,
+        "{}",
+        config.store.encryption_summary()
+    );
+    if check.legacy_keys {
+        tracing::info!(
+            "keys stored before scopes were keyed remain: look-ups also try their unkeyed scopes"
+        );
+    }
+    Ok(OpenedStore {
+        store: opened.store,
+        shared: opened.shared,
+        replay,
+        scoper,
+        legacy_scopes: check.legacy_keys,
+    })
+}
+
+/// The serving threads beside the runtime's workers (none on a small machine).
+fn start_threads(config: &Config) -> anyhow::Result<Arc<ConnThreads>> {
+    let threads = Arc::new(
+        ConnThreads::start(crate::threads::for_config(config))
+            .context("cannot start the connection threads")?,
+    );
+    if !threads.is_empty() {
+        tracing::info!(
+            threads = threads.len(),
+            "connection threads beside the runtime's workers"
+        );
+    }
+    Ok(threads)
+}
+
+/// The auditor and the retention purge, both stopped by `stop`.
+fn start_background(
+    store: &Arc<dyn crate::store::Store>,
+    stats: &Arc<Stats>,
+    config: &Config,
+    stop: &CancellationToken,
+) -> (Auditor, Vec<JoinHandle<()>>) {
+    let (auditor, audit_task) = Auditor::start(store.clone(), stats.clone(), stop.clone());
+    // Purge often enough that nothing outlives its retention by more than a quarter of it.
+    let purge_every =
+        (config.store.retention / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
+    let retention_task = tokio::spawn(crate::audit::retention(
+        store.clone(),
+        config.store.retention,
+        purge_every,
+        stop.clone(),
+    ));
+    (auditor, vec![audit_task, retention_task])
 }
