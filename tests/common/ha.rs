@@ -209,23 +209,22 @@ impl Server {
 
     /// Waits until `sql` (one boolean) holds on this server: polled, bounded.
     pub async fn until(&self, sql: &str) {
-        let deadline = Instant::now() + STARTUP;
-        loop {
-            if let Ok(mut c) = sqlx::PgConnection::connect(&self.url()).await {
-                if let Ok(true) = sqlx::query_scalar::<_, bool>(sql).fetch_one(&mut c).await {
-                    let _ = c.close().await;
-                    return;
-                }
+        let url = &self.url();
+        super::eventually_within(STARTUP, move || async move {
+            if let Ok(mut c) = sqlx::PgConnection::connect(url).await {
+                let held = sqlx::query_scalar::<_, bool>(sql).fetch_one(&mut c).await;
                 let _ = c.close().await;
+                if let Ok(true) = held {
+                    return Ok(());
+                }
             }
-            assert!(
-                Instant::now() < deadline,
+            Err(format!(
                 "never held on port {}: {sql}\nserver log:\n{}",
                 self.port,
                 self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            ))
+        })
+        .await
     }
 
     fn postmaster_pid(&self) -> u32 {
@@ -315,28 +314,32 @@ impl HaProxy {
             port,
             _dir: dir,
         };
-        let url = h.url();
-        let deadline = Instant::now() + STARTUP;
-        loop {
-            if let Ok(mut c) = sqlx::PgConnection::connect(&url).await {
-                let recovery: Result<bool, _> = sqlx::query_scalar("SELECT pg_is_in_recovery()")
-                    .fetch_one(&mut c)
-                    .await;
-                let _ = c.close().await;
-                if let Ok(false) = recovery {
-                    return Some(h);
+        let (url, log) = (h.url(), h._dir.path().join("haproxy.log"));
+        let read = |log: &std::path::Path| std::fs::read_to_string(log).unwrap_or_default();
+        super::eventually_within(STARTUP, || {
+            let (url, log, child) = (url.clone(), log.clone(), &mut h.child);
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!("haproxy exited with {status}:\n{}", read(&log));
+            }
+            async move {
+                if let Ok(mut c) = sqlx::PgConnection::connect(&url).await {
+                    let recovery: Result<bool, _> =
+                        sqlx::query_scalar("SELECT pg_is_in_recovery()")
+                            .fetch_one(&mut c)
+                            .await;
+                    let _ = c.close().await;
+                    if let Ok(false) = recovery {
+                        return Ok(());
+                    }
                 }
+                Err(format!(
+                    "no connection through haproxy reached the primary:\n{}",
+                    read(&log)
+                ))
             }
-            if let Ok(Some(status)) = h.child.try_wait() {
-                panic!("haproxy exited with {status}:\n{}", h.log());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "no connection through haproxy reached the primary:\n{}",
-                h.log()
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await;
+        Some(h)
     }
 
     /// `postgres://postgres@127.0.0.1:<frontend port>/postgres`.

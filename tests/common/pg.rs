@@ -123,19 +123,18 @@ impl PgServer {
     /// buffers — a database crash. Returns once it accepts connections again.
     pub async fn crash_via(&self, pid: u32) {
         signal(pid, "-KILL");
-        let up = async {
-            loop {
-                if let Ok(mut c) = sqlx::PgConnection::connect(&self.url).await {
-                    if sqlx::query("SELECT 1").execute(&mut c).await.is_ok() {
-                        return;
-                    }
-                }
-                tokio::task::yield_now().await;
-            }
-        };
-        tokio::time::timeout(std::time::Duration::from_secs(30), up)
-            .await
-            .expect("PostgreSQL did not recover from the crash");
+        let url = &self.url;
+        crate::common::eventually_within(std::time::Duration::from_secs(30), move || async move {
+            let mut c = sqlx::PgConnection::connect(url)
+                .await
+                .map_err(|e| format!("PostgreSQL did not recover from the crash: {e}"))?;
+            sqlx::query("SELECT 1")
+                .execute(&mut c)
+                .await
+                .map(drop)
+                .map_err(|e| format!("PostgreSQL did not recover from the crash: {e}"))
+        })
+        .await;
     }
 
     /// Starts it again on the same port and data.

@@ -149,30 +149,34 @@ impl ProxyProcess {
             .lines()
             .any(|l| l.trim_start().starts_with("admin_listen"));
 
-        let deadline = std::time::Instant::now() + STARTUP;
-        loop {
-            let found = parse_listeners(&process.stderr());
-            if let Some(main) = found.main {
-                if !wants_admin || found.admin.is_some() {
-                    process.main_addr = main;
-                    process.admin_addr = found.admin;
-                    return process;
-                }
+        let (main, admin) = super::eventually_within(STARTUP, || {
+            std::future::ready(process.listening(wants_admin))
+        })
+        .await;
+        process.main_addr = main;
+        process.admin_addr = admin;
+        process
+    }
+
+    /// The main (and, when `wants_admin`, admin) address the process logged, or what it logged
+    /// instead; a process that exited first fails the test at once.
+    fn listening(&mut self, wants_admin: bool) -> Result<(SocketAddr, Option<SocketAddr>), String> {
+        let found = parse_listeners(&self.stderr());
+        if let Some(main) = found.main {
+            if !wants_admin || found.admin.is_some() {
+                return Ok((main, found.admin));
             }
-            if let Some(status) = process.try_wait() {
-                panic!(
-                    "idemproxy exited with {status} before listening\n--- stderr ---\n{}",
-                    process.stderr()
-                );
-            }
-            if std::time::Instant::now() >= deadline {
-                panic!(
-                    "idemproxy did not log its listeners within {STARTUP:?}\n--- stderr ---\n{}",
-                    process.stderr()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        if let Some(status) = self.try_wait() {
+            panic!(
+                "idemproxy exited with {status} before listening\n--- stderr ---\n{}",
+                self.stderr()
+            );
+        }
+        Err(format!(
+            "idemproxy did not log its listeners\n--- stderr ---\n{}",
+            self.stderr()
+        ))
     }
 
     /// The process id.
@@ -235,20 +239,16 @@ impl ProxyProcess {
 
     /// Waits (at most 30 s, then panics) for the process to exit.
     pub async fn wait(&mut self) -> ExitStatus {
-        let deadline = std::time::Instant::now() + STARTUP;
-        loop {
-            if let Some(status) = self.try_wait() {
-                return status;
-            }
-            if std::time::Instant::now() >= deadline {
-                panic!(
-                    "idemproxy (pid {}) did not exit within {STARTUP:?}\n--- stderr ---\n{}",
+        super::eventually_within(STARTUP, || {
+            std::future::ready(self.try_wait().ok_or_else(|| {
+                format!(
+                    "idemproxy (pid {}) did not exit\n--- stderr ---\n{}",
                     self.pid(),
                     self.stderr()
-                );
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+                )
+            }))
+        })
+        .await
     }
 
     /// The exit status if the process has exited.

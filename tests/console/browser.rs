@@ -177,25 +177,21 @@ impl Browser {
     pub async fn navigate(&self, css: &str) {
         self.script("window.__leaving = true; return null;").await;
         self.click(css).await;
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
+        let client = &self.client;
+        super::common::eventually_within(Duration::from_secs(10), move || async move {
             // While the next document loads, a script may find no context: not there yet.
-            let arrived = self
-                .client
+            let arrived = client
                 .execute(
                     "return window.__leaving === undefined && document.readyState === 'complete';",
                     vec![],
                 )
                 .await;
-            if arrived.is_ok_and(|v| v == Value::Bool(true)) {
-                return;
+            match arrived {
+                Ok(Value::Bool(true)) => Ok(()),
+                _ => Err(format!("clicking {css} led nowhere")),
             }
-            assert!(
-                Instant::now() < deadline,
-                "clicking {css} led nowhere within 10 s"
-            );
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        })
+        .await
     }
 
     /// Types `text` into the field `css` (emptied first).

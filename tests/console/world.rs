@@ -265,24 +265,18 @@ impl World {
     /// off the request path, alike replays folded into one row).
     pub async fn wait_for_history(&self, entity: &str, requests: i64) {
         let path = format!("/admin/entities/{}", encode(entity));
-        let deadline = std::time::Instant::now() + WAIT;
-        loop {
-            let report = self.admin(&path).await;
+        let path = &path;
+        eventually(move || async move {
+            let report = self.admin(path).await;
             let rows = report["history"].as_array().cloned().unwrap_or_default();
-            if rows
-                .iter()
-                .filter_map(|r| r["requests"].as_i64())
-                .sum::<i64>()
-                >= requests
-            {
-                return;
+            let seen: i64 = rows.iter().filter_map(|r| r["requests"].as_i64()).sum();
+            if seen >= requests {
+                Ok(())
+            } else {
+                Err(format!("{requests} requests of {entity}: {report}"))
             }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{requests} requests of {entity}: {report}"
-            );
-            tokio::task::yield_now().await;
-        }
+        })
+        .await
     }
 }
 
