@@ -223,27 +223,34 @@ fn claims() -> Vec<Claim> {
 fn explained(claim: &Claim, config: &Config) -> (String, Vec<String>) {
     let mut headers: Vec<String> = claim.headers.iter().map(|h| h.to_string()).collect();
     headers.push("Authorization: Bearer doc-token".into());
-    let body = (!claim.body.is_empty()).then(|| claim.body.as_bytes().to_vec().into());
-    let out = idemproxy::cli::explain::explain(config, claim.method, claim.path, &headers, body)
-        .unwrap_or_else(|e| panic!("explain {} {}: {e}", claim.method, claim.path));
-    let field = |name: &str| {
-        out.lines()
-            .find_map(|l| l.strip_prefix(name))
-            .map(|v| v.trim().to_owned())
-            .unwrap_or_else(|| {
-                panic!(
-                    "explain {} {} has no {name}\n{out}",
-                    claim.method, claim.path
-                )
-            })
-    };
-    let key = field("key:");
-    let key = key.split(" (").next().unwrap_or_default().to_owned();
-    let entities = field("entities:")
+    let (key, entities) = explain(config, claim.method, claim.path, &headers, claim.body);
+    let entities = entities
         .split(',')
         .map(|e| e.trim().split('@').next().unwrap_or_default().to_owned())
         .collect();
     (key, entities)
+}
+
+/// The key (without how it was found) and the entities line `explain` prints for a request.
+fn explain(
+    config: &Config,
+    method: &str,
+    path: &str,
+    headers: &[String],
+    body: &str,
+) -> (String, String) {
+    let body = (!body.is_empty()).then(|| body.as_bytes().to_vec().into());
+    let out = idemproxy::cli::explain::explain(config, method, path, headers, body)
+        .unwrap_or_else(|e| panic!("explain {method} {path}: {e}"));
+    let field = |name: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| v.trim().to_owned())
+            .unwrap_or_else(|| panic!("explain {method} {path} has no {name}\n{out}"))
+    };
+    let key = field("key:");
+    let key = key.split(" (").next().unwrap_or_default().to_owned();
+    (key, field("entities:"))
 }
 
 /// Whether `key` is the one stated (`""`: the doc states none).
@@ -425,23 +432,16 @@ fn a_json_number_is_one_entity_however_written() {
         "`9801`, `9801.0` and `9.801e3` are `contact:9801`"
     ));
     let config = config(Through::Shipped);
+    let headers = [JSON.to_owned(), "X-Workflow-Id: run-1".to_owned()];
     for id in ["9801", "9801.0", "9.801e3"] {
-        let body: &'static str = Box::leak(
-            format!(r#"{{"inputs":[{{"id":{id},"properties":{{"firstname":"A"}}}}]}}"#)
-                .into_boxed_str(),
+        let body = format!(r#"{{"inputs":[{{"id":{id},"properties":{{"firstname":"A"}}}}]}}"#);
+        let path = "/hubspot/crm/v3/objects/contacts/batch/update";
+        let (_, entities) = explain(&config, "POST", path, &headers, &body);
+        assert_eq!(
+            entities.split('@').next(),
+            Some("contact:9801"),
+            "id {id}: {entities}"
         );
-        let claim = Claim {
-            doc: "docs/keys.md",
-            through: Through::Shipped,
-            method: "POST",
-            path: "/hubspot/crm/v3/objects/contacts/batch/update",
-            headers: &[JSON, "X-Workflow-Id: run-1"],
-            body,
-            key: "",
-            entity: "contact:9801",
-        };
-        let (_, entities) = explained(&claim, &config);
-        assert_eq!(entities, ["contact:9801"], "id {id}");
     }
 }
 
@@ -470,21 +470,13 @@ fn entities_are_scoped_by_credentials_and_keys_take_the_path_as_sent() {
             "X-Workflow-Id: run-1".to_owned(),
             format!("Authorization: Bearer {token}"),
         ];
-        let out = idemproxy::cli::explain::explain(
+        explain(
             &config,
             "PATCH",
             path,
             &headers,
-            Some(r#"{"properties":{"firstname":"A"}}"#.into()),
+            r#"{"properties":{"firstname":"A"}}"#,
         )
-        .expect("explain");
-        let field = |name: &str| {
-            out.lines()
-                .find_map(|l| l.strip_prefix(name))
-                .map(|v| v.trim().to_owned())
-                .expect("a field")
-        };
-        (field("key:"), field("entities:"))
     };
     let (_, a) = explain("tenant-a", "/hubspot/crm/v3/objects/contacts/42");
     let (_, b) = explain("tenant-b", "/hubspot/crm/v3/objects/contacts/42");
