@@ -11,7 +11,10 @@
 //!   reconciled answer's shape) and request data read exactly (form and query bytes, JSON
 //!   numbers by value).
 //!
-//! What they share, in the order a request meets it:
+//! What they share, in the order a request meets it. `threads`, `state` and `reload` belong to
+//! serving but sit below the wings: the upstream clients and the store's engine use `threads`,
+//! the pipeline, the admin API and the console use `state`, the admin API uses `reload`; inside
+//! `server/` each would make an import circle with a wing that `server` itself calls.
 //!
 //! - [`connection`]: one accepted connection served, HTTP/1.1 or HTTP/2, parked when idle with
 //!   hyper's buffers freed (an idle connection costs a few KiB); the request body type that
