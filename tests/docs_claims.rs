@@ -416,6 +416,45 @@ fn every_key_and_entity_the_docs_name_is_a_checked_claim() {
     );
 }
 
+/// The entity templates of the shipped routes and of the examples'.
+fn templates() -> BTreeSet<String> {
+    let mut templates = BTreeSet::new();
+    for text in [doc("proxy.toml"), doc("docs/examples.md")] {
+        for line in text.lines() {
+            if let Some(rest) = line.trim().strip_prefix("entity = \"") {
+                templates.insert(rest.split('"').next().unwrap_or_default().to_owned());
+            }
+        }
+    }
+    templates
+}
+
+/// An entity template a doc shows in prose (`contact:{body.inputs[*].id}`, `entity =
+/// "email:{body.properties.email}"`) is one a shipped or example route has.
+#[test]
+fn every_entity_template_the_docs_show_is_a_routes() {
+    let (kinds, templates) = (kinds(), templates());
+    let mut shown = 0;
+    for name in docs() {
+        for line in doc(&name).lines().filter(|l| !l.starts_with("| ")) {
+            for span in line.split('`').skip(1).step_by(2) {
+                let span = span
+                    .strip_prefix("entity = \"")
+                    .map_or(span, |t| t.trim_end_matches('"'));
+                let kind = span.split(':').next().unwrap_or_default();
+                if kinds.contains(kind) && span.contains('{') {
+                    assert!(
+                        templates.contains(span),
+                        "{name} shows the entity {span}, which no route has"
+                    );
+                    shown += 1;
+                }
+            }
+        }
+    }
+    assert!(shown >= 2, "only {shown} templates found");
+}
+
 /// The statements checked by a test of their own below.
 fn special(doc: &str, value: &str) -> bool {
     matches!(
