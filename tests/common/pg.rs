@@ -124,15 +124,19 @@ impl PgServer {
     pub async fn crash_via(&self, pid: u32) {
         signal(pid, "-KILL");
         let url = &self.url;
-        crate::common::eventually_within(std::time::Duration::from_secs(30), move || async move {
-            let mut c = sqlx::PgConnection::connect(url)
-                .await
-                .map_err(|e| format!("PostgreSQL did not recover from the crash: {e}"))?;
-            sqlx::query("SELECT 1")
-                .execute(&mut c)
-                .await
-                .map(drop)
-                .map_err(|e| format!("PostgreSQL did not recover from the crash: {e}"))
+        let wait = std::time::Duration::from_secs(30);
+        // Each try bounded too: a connect or query to a server still recovering may hang.
+        crate::common::eventually_within(wait, move || async move {
+            let tried = tokio::time::timeout(wait, async {
+                let mut c = sqlx::PgConnection::connect(url).await?;
+                sqlx::query("SELECT 1").execute(&mut c).await.map(drop)
+            })
+            .await;
+            match tried {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(e)) => Err(format!("PostgreSQL did not recover from the crash: {e}")),
+                Err(_) => Err("PostgreSQL did not recover from the crash: a try hung".into()),
+            }
         })
         .await;
     }

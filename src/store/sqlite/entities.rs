@@ -78,7 +78,7 @@ pub fn reset_version(conn: &Connection, entity: &str, now: i64) -> StoreResult<u
 impl EntityStates for SqliteStore {
     async fn entity_states(&self, entities: &[String]) -> StoreResult<Vec<EntityState>> {
         // Before every write of a route with version or claim checks: on this thread (see
-        // [`super::reader`]), or through the pool when SQLite is busy.
+        // [`super::reads`]), or through the pool when SQLite is busy.
         match super::reads::entity_states(&self.reader, entities) {
             Err(e) if super::engine::reader::is_missed(&e) => {}
             states => return states,

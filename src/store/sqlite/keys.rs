@@ -1,6 +1,6 @@
 //! Keys on SQLite: the writes every request makes (reserve, finish), run by the writer thread
 //! one prepared statement per request inside the batch's transaction, and the reads: a key's
-//! record on the caller's thread ([`super::reader`]), the operator's listings from the read
+//! record on the caller's thread ([`super::reads`]), the operator's listings from the read
 //! pool.
 
 use super::engine::job::{Heard, Tx};
@@ -241,7 +241,7 @@ impl SqliteStore {
 impl Keys for SqliteStore {
     async fn get(&self, id: &ScopedKey) -> StoreResult<Option<KeyRecord>> {
         // Every request with an entity, a precheck or `in_flight = "reject"` looks its key up
-        // here, on its own thread (see [`super::reader`]); through the pool when SQLite is
+        // here, on its own thread (see [`super::reads`]); through the pool when SQLite is
         // busy for longer than a worker may wait.
         let cipher = self.cipher.as_deref();
         match super::reads::record(&self.reader, cipher, id) {

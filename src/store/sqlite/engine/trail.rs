@@ -53,7 +53,7 @@ impl Trail {
         std::thread::Builder::new()
             .name(name.into())
             .spawn(move || run(conn, queue, upkeep))
-            .map_err(|e| StoreError::Unavailable(format!("cannot start {name}: {e}")))?;
+            .map_err(|e| StoreError::Unavailable(format!("cannot start the thread {name}: {e}")))?;
         Ok(Trail { jobs })
     }
 
