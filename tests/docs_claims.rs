@@ -93,7 +93,7 @@ struct Claim {
     method: &'static str,
     path: &'static str,
     headers: Vec<&'static str>,
-    body: &'static str,
+    body: String,
     key: &'static str,
     entity: &'static str,
 }
@@ -102,23 +102,23 @@ const JSON: &str = "Content-Type: application/json";
 const FORM: &str = "Content-Type: application/x-www-form-urlencoded";
 
 fn claims() -> Vec<Claim> {
-    let contact_901 = |doc, through, headers, body, key| Claim {
+    let contact_901 = |doc, through, headers, body: &str, key| Claim {
         doc,
         through,
         method: "PATCH",
         path: "/hubspot/crm/v3/objects/contacts/901",
         headers,
-        body,
+        body: body.to_owned(),
         key,
         entity: "contact:901",
     };
-    let booking = |headers, body, key, entity| Claim {
+    let booking = |headers, body: &str, key, entity| Claim {
         doc: "docs/examples.md",
         through: Through::Example3,
         method: "POST",
         path: "/calendar/bookings",
         headers,
-        body,
+        body: body.to_owned(),
         key,
         entity,
     };
@@ -128,7 +128,7 @@ fn claims() -> Vec<Claim> {
         method: "PUT",
         path,
         headers: vec![JSON, "X-Workflow-Id: run-1"],
-        body: r#"{"ticket":{"status":"open"}}"#,
+        body: r#"{"ticket":{"status":"open"}}"#.into(),
         key: "",
         entity: "ticket:42",
     };
@@ -138,36 +138,30 @@ fn claims() -> Vec<Claim> {
         method: "POST",
         path: "/stripe/v1/charges",
         headers: vec![FORM, header],
-        body: "amount=2000&currency=usd&customer=cus_123",
+        body: "amount=2000&currency=usd&customer=cus_123".into(),
         key,
         entity: "customer:cus_123",
     };
-    let key_5521 = "5521:contact:901:hubspot-contact-update:4568…";
+    let attempt_5521 = |through, synced: &str| {
+        let body = format!(
+            r#"{{"properties": {{"lifecyclestage": "customer", "last_synced_at": "{synced}"}}}}"#
+        );
+        let key = "5521:contact:901:hubspot-contact-update:4568…";
+        contact_901(
+            "docs/examples.md",
+            through,
+            vec![JSON, "X-Workflow-Id: 5521"],
+            &body,
+            key,
+        )
+    };
     vec![
         // The lost answer: both attempts derive one key (`last_synced_at` is not fingerprinted).
-        contact_901(
-            "docs/examples.md",
-            Through::Example1,
-            vec![JSON, "X-Workflow-Id: 5521"],
-            r#"{"properties": {"lifecyclestage": "customer", "last_synced_at": "2025-06-01T10:00:00Z"}}"#,
-            key_5521,
-        ),
-        contact_901(
-            "docs/examples.md",
-            Through::Example1,
-            vec![JSON, "X-Workflow-Id: 5521"],
-            r#"{"properties": {"lifecyclestage": "customer", "last_synced_at": "2025-06-01T10:00:11Z"}}"#,
-            key_5521,
-        ),
+        attempt_5521(Through::Example1, "2025-06-01T10:00:00Z"),
+        attempt_5521(Through::Example1, "2025-06-01T10:00:11Z"),
         // The same request through the shipped route the example says it is (README names
         // its entity).
-        contact_901(
-            "docs/examples.md",
-            Through::Shipped,
-            vec![JSON, "X-Workflow-Id: 5521"],
-            r#"{"properties": {"lifecyclestage": "customer", "last_synced_at": "2025-06-01T10:00:00Z"}}"#,
-            key_5521,
-        ),
+        attempt_5521(Through::Shipped, "2025-06-01T10:00:00Z"),
         // The stale delayed write: revisions 7 and 6.
         contact_901(
             "docs/examples.md",
@@ -208,7 +202,7 @@ fn claims() -> Vec<Claim> {
             method: "DELETE",
             path: "/calendar/bookings/s-42",
             headers: vec!["Idempotency-Key: agent-4-cancel-s-42"],
-            body: "",
+            body: String::new(),
             key: "agent-4-cancel-s-42",
             entity: "slot:s-42",
         },
@@ -231,7 +225,7 @@ fn claims() -> Vec<Claim> {
 fn explained(claim: &Claim, config: &Config) -> (String, Vec<String>) {
     let mut headers: Vec<String> = claim.headers.iter().map(|h| h.to_string()).collect();
     headers.push("Authorization: Bearer doc-token".into());
-    let (key, entities) = explain(config, claim.method, claim.path, &headers, claim.body);
+    let (key, entities) = explain(config, claim.method, claim.path, &headers, &claim.body);
     let entities = entities
         .split(',')
         .map(|e| e.trim().split('@').next().unwrap_or_default().to_owned())
