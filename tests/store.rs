@@ -869,23 +869,27 @@ async fn postgres_purge_never_deletes_a_lease_being_taken() {
         tokio::spawn(async move { s.purge(500, 0).await })
     };
     // The purge ends without waiting, or waits for the taker's lock: then the taker commits.
-    let db = sqlx::PgPool::connect(&pg.url).await.unwrap();
-    while !purge.is_finished()
-        && sqlx::query_scalar::<_, i64>(
+    let db = &sqlx::PgPool::connect(&pg.url).await.unwrap();
+    let purge_ref = &purge;
+    common::eventually(move || async move {
+        let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'",
         )
-        .fetch_one(&db)
+        .fetch_one(db)
         .await
-        .unwrap()
-            == 0
-    {
-        tokio::task::yield_now().await;
-    }
+        .map_err(|e| e.to_string())?;
+        if purge_ref.is_finished() || waiting > 0 {
+            Ok(())
+        } else {
+            Err("the purge neither ended nor waited for the taker's lock".into())
+        }
+    })
+    .await;
     sqlx::query("COMMIT").execute(&mut taker).await.unwrap();
     purge.await.unwrap().unwrap();
     let owner: Option<Option<String>> =
         sqlx::query_scalar("SELECT owner FROM idem_entity_leases WHERE entity = 'slot:p'")
-            .fetch_optional(&db)
+            .fetch_optional(db)
             .await
             .unwrap();
     assert_eq!(

@@ -52,19 +52,19 @@ impl PgServer {
     /// Waits until `sql` (one boolean) holds in the test's database: a state polled for, never
     /// slept for, bounded so a test that waits in vain fails instead of hanging.
     pub async fn until(&self, sql: &str) {
-        let db = sqlx::PgPool::connect(&self.url).await.unwrap();
-        let holds = async {
-            while !sqlx::query_scalar::<_, bool>(sql)
-                .fetch_one(&db)
-                .await
-                .unwrap()
+        let db = &sqlx::PgPool::connect(&self.url).await.unwrap();
+        let wait = std::time::Duration::from_secs(20);
+        crate::common::eventually_within(wait, move || async move {
+            // Each try bounded too: a query may hang where a state never comes.
+            match tokio::time::timeout(wait, sqlx::query_scalar::<_, bool>(sql).fetch_one(db)).await
             {
-                tokio::task::yield_now().await;
+                Ok(Ok(true)) => Ok(()),
+                Ok(Ok(false)) => Err(format!("never held: {sql}")),
+                Ok(Err(e)) => panic!("{sql}: {e}"),
+                Err(_) => Err(format!("never answered: {sql}")),
             }
-        };
-        tokio::time::timeout(std::time::Duration::from_secs(20), holds)
-            .await
-            .unwrap_or_else(|_| panic!("never held: {sql}"));
+        })
+        .await;
         db.close().await;
     }
 
