@@ -1148,9 +1148,16 @@ async fn postgres_replicas_share_a_rate_limit_budget() {
     };
     let (a, b) = (shared(&pg.url).await, shared(&pg.url).await);
     let window = Duration::from_secs(60);
+    let claim_of = |scope, want| idemproxy::store::SendClaim {
+        upstream: "api",
+        scope,
+        want,
+        limit: 3,
+        window,
+    };
     let claim = |s: &Arc<dyn idemproxy::store::Shared>, want| {
         let s = s.clone();
-        async move { s.claim_sends("api", "k1:s", want, 3, window).await.unwrap() }
+        async move { s.claim_sends(claim_of("k1:s", want)).await.unwrap() }
     };
     assert_eq!(claim(&a, 2).await.0, 2);
     assert_eq!(claim(&b, 2).await.0, 1, "one left for the other replica");
@@ -1158,6 +1165,6 @@ async fn postgres_replicas_share_a_rate_limit_budget() {
     assert_eq!(none, 0);
     assert!(wait > Duration::from_secs(50) && wait <= window, "{wait:?}");
     // Another account has its own budget.
-    let other = b.claim_sends("api", "k1:t", 3, 3, window).await.unwrap();
+    let other = b.claim_sends(claim_of("k1:t", 3)).await.unwrap();
     assert_eq!(other.0, 3);
 }

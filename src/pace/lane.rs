@@ -292,7 +292,13 @@ impl Lane {
         let window = counted(rate.per);
         let claimed = ledger
             .store
-            .claim_sends(&ledger.upstream, &ledger.scope, want, rate.limit, window)
+            .claim_sends(crate::store::SendClaim {
+                upstream: &ledger.upstream,
+                scope: &ledger.scope,
+                want,
+                limit: rate.limit,
+                window,
+            })
             .await;
         let now = Instant::now();
         let good_for = (counted(rate.per) - rate.per).max(Duration::from_millis(10));

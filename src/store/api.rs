@@ -184,17 +184,20 @@ pub trait Shared: Send + Sync + 'static {
     /// it. `false`: it is no longer in flight at that epoch, so read it again instead of
     /// waiting.
     async fn watch_key(&self, id: &ScopedKey, epoch: i64) -> StoreResult<bool>;
-    /// Claims up to `want` sends of one account's rate-limit budget (`limit` in any
-    /// `window`), for every replica together: how many were granted, and when none was, about
-    /// how long until one fits.
-    async fn claim_sends(
-        &self,
-        upstream: &str,
-        scope: &str,
-        want: u32,
-        limit: u32,
-        window: Duration,
-    ) -> StoreResult<(u32, Duration)>;
+    /// Claims sends of one account's rate-limit budget, for every replica together: how many
+    /// were granted, and when none was, about how long until one fits.
+    async fn claim_sends(&self, claim: SendClaim<'_>) -> StoreResult<(u32, Duration)>;
+}
+
+/// Up to `want` sends of the account (`upstream`, credential `scope`) whose budget is `limit`
+/// in any `window`.
+#[derive(Debug, Clone, Copy)]
+pub struct SendClaim<'a> {
+    pub upstream: &'a str,
+    pub scope: &'a str,
+    pub want: u32,
+    pub limit: u32,
+    pub window: Duration,
 }
 
 /// An open store, and its shared part when it has one.

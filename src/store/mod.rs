@@ -24,7 +24,7 @@ pub use answer::{
     FinishColumns, SealedAnswer, StoredAnswer, StoredResponse, OMITTED_BODY, RECONCILED,
     SET_BY_OPERATOR,
 };
-pub use api::{AuditLog, EntityStates, Keys, Opened, Operator, Shared, Store, Ticket};
+pub use api::{AuditLog, EntityStates, Keys, Opened, Operator, SendClaim, Shared, Store, Ticket};
 pub use error::{StoreError, StoreResult};
 pub use id::{KeyParts, ScopedKey};
 pub use key_record::{Finish, KeyRecord, KeyState, Reservation, Reserved, When};

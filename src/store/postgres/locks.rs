@@ -151,14 +151,7 @@ impl Shared for PgStore {
         let res = in_flight_at(&sql, id, epoch).execute(&self.pool).await?;
         Ok(res.rows_affected() == 1)
     }
-    async fn claim_sends(
-        &self,
-        upstream: &str,
-        scope: &str,
-        want: u32,
-        limit: u32,
-        window: Duration,
-    ) -> StoreResult<(u32, Duration)> {
-        self.claim(upstream, scope, want, limit, window).await
+    async fn claim_sends(&self, claim: SendClaim<'_>) -> StoreResult<(u32, Duration)> {
+        self.claim(claim).await
     }
 }

@@ -6,14 +6,14 @@
 use super::*;
 
 impl PgStore {
-    pub(super) async fn claim(
-        &self,
-        upstream: &str,
-        scope: &str,
-        want: u32,
-        limit: u32,
-        window: Duration,
-    ) -> StoreResult<(u32, Duration)> {
+    pub(super) async fn claim(&self, claim: SendClaim<'_>) -> StoreResult<(u32, Duration)> {
+        let SendClaim {
+            upstream,
+            scope,
+            want,
+            limit,
+            window,
+        } = claim;
         let window_ms = window.as_millis().min(i64::MAX as u128) as i64;
         let mut tx = self.pool.begin().await?;
         sqlx::query(
